@@ -1,0 +1,153 @@
+"""Command line: `dsv4-tree demo` (verify rounds checked per path) and `dsv4-tree generate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .config import SpecConfig
+from .drafters import NgramDrafter, PlantedDrafter, TreeShape
+from .engine import Engine
+from .errors import Dsv4TreeError
+from .model.adapter import load_model
+from .model.tiny import tiny_checkpoint
+from .reference.per_path import per_path_logits, relative_error
+
+REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory (HF layout: config.json + *.safetensors); default: the embedded tiny one")
+    p.add_argument("--spec", default=None, help="SpecConfig TOML preset (configs/*.toml); flags below override it")
+    p.add_argument("--topk", type=int, default=None, help="eagle_topk: children per draft node; >1 drafts trees")
+    p.add_argument("--num-steps", type=int, default=None, help="num_steps: maximum draft depth")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="num_draft_tokens: nodes per tree, root included (default num_steps+1 for chains)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the prompt and the drafter")
+
+
+def _spec(args) -> SpecConfig:
+    spec = SpecConfig.from_file(args.spec) if args.spec else SpecConfig()
+    changes = {}
+    if args.topk is not None:
+        changes["eagle_topk"] = args.topk
+    if args.num_steps is not None:
+        changes["num_steps"] = args.num_steps
+    if args.num_draft_tokens is not None:
+        changes["num_draft_tokens"] = args.num_draft_tokens
+    elif "eagle_topk" in changes or "num_steps" in changes:
+        topk = changes.get("eagle_topk", spec.eagle_topk)
+        steps = changes.get("num_steps", spec.num_steps)
+        changes["num_draft_tokens"] = steps + 1 if topk == 1 else min(2 * steps + topk, 1 + topk + (steps - 1) * topk**2)
+    return spec.replace(**changes) if changes else spec
+
+
+def _load(args):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return load_model(args.checkpoint or tiny_checkpoint())
+
+
+def cmd_demo(args) -> int:
+    model = _load(args)
+    engine = Engine(model, _spec(args))
+    spec = engine.spec
+    shape = TreeShape.from_spec(spec)
+    drafter = PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(2, model.vocab_size, (args.prompt_len,), generator=g)
+    req = engine.prefill(prompt)
+    print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
+          f"num_draft_tokens={spec.num_draft_tokens} | prompt {args.prompt_len} tokens | drafter: planted "
+          f"(synthetic: target greedy continuation among random siblings, corrupt={args.corrupt})")
+    print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9}")
+    worst, emitted, t_verify = 0.0, 0, 0.0
+    for rnd in range(args.rounds):
+        tree = drafter.draft(engine, [req])[0]
+        t0 = time.perf_counter()
+        out = engine.verify([req], [tree])
+        dt_verify = time.perf_counter() - t0
+        t_verify += dt_verify
+        ref = per_path_logits(model, req.tokens, tree)
+        err = relative_error(out.logits[0], ref)
+        worst = max(worst, err)
+        acc = engine.accept_greedy([req], [tree], out)[0]
+        p = req.seq_len
+        engine.commit([req], [acc], out)
+        emitted += acc.num_accepted + 1
+        print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {acc.num_accepted:>8} {err:>10.2e} "
+              f"{1000 * dt_verify:>9.1f}")
+    ok = worst <= REL_ERR_BOUND
+    print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
+          f"worst relative error vs per-path reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): "
+          f"{'PASS' if ok else 'FAIL'}; verify time {t_verify:.2f} s")
+    return 0 if ok else 1
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    engine = Engine(model, _spec(args))
+    shape = TreeShape.from_spec(engine.spec)
+    if args.drafter == "ngram":
+        drafter = NgramDrafter(shape)
+    else:
+        drafter = PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
+    if args.prompt is not None:
+        prompt = [int(t) for t in args.prompt.split(",")]
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        base = torch.randint(2, model.vocab_size, (max(1, args.prompt_len // 4),), generator=g)
+        prompt = base.repeat(4)[: args.prompt_len].tolist()  # repetitive, so n-gram lookup finds matches
+    gen = torch.Generator().manual_seed(args.seed)
+    res = engine.generate(prompt, args.max_new_tokens, drafter=drafter, temperature=args.temperature,
+                          top_p=args.top_p, eos_token_id=args.eos, generator=gen)
+    st = res.stats
+    print(f"generated {len(res.tokens)} tokens in {st.rounds} verifies: "
+          f"{st.mean_tokens_per_verify:.3f} tokens/verify, verify time {st.verify_seconds:.2f} s")
+    print(f"accept-length histogram: {st.histogram}")
+    print(json.dumps({"tokens": res.tokens, "mean_tokens_per_verify": st.mean_tokens_per_verify,
+                      "rounds": st.rounds, "histogram": st.histogram}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsv4-tree", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="prefill, run verify rounds, check every round against per-path HF runs")
+    _spec_args(d)
+    d.add_argument("--prompt-len", type=int, default=150, help="random prompt length (tokens)")
+    d.add_argument("--rounds", type=int, default=8, help="verify rounds to run")
+    d.add_argument("--corrupt", type=float, default=0.25,
+                   help="probability that a planted draft token is replaced by a random one")
+    d.set_defaults(func=cmd_demo)
+    g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
+    _spec_args(g)
+    g.add_argument("--drafter", choices=("ngram", "planted"), default="ngram",
+                   help="ngram: prompt lookup (model-free); planted: synthetic test drafter")
+    g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
+    g.add_argument("--prompt-len", type=int, default=64, help="length of the default prompt")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy acceptance; >0: lossless sampling")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling")
+    g.add_argument("--eos", type=int, default=None, help="stop after this token id")
+    g.add_argument("--corrupt", type=float, default=0.25, help="planted drafter: corruption probability")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Dsv4TreeError as exc:
+        print(f"dsv4-tree: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""SpecConfig: the speculative-verify settings of one engine (frozen; TOML at the edges)."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+MASK_MODES = ("FULL_MASK", "QLEN_ONLY", "QLEN_ONLY_BITPACKING")
+ATTENTION_BACKENDS = ("torch",)
+ACCEPT_ALGORITHMS = ("greedy", "sampling")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings. Defaults give the chain path (eagle_topk = 1).
+
+    eagle_topk:        children per expanded draft node; > 1 turns tree verify on.
+    num_steps:         draft depth (edges from the root to the deepest node).
+    num_draft_tokens:  nodes per verify tree, root included. None: num_steps + 1 for a
+                       chain; for a tree it must be given (SGLang's default is 8 at topk 4).
+    mask_mode:         tree-mask layout produced by build_tree (name of TreeMaskMode).
+    attention_backend: implementation of the verify attention for the whole run.
+    accept:            "greedy" or "sampling".
+    prefill_chunk:     prompt tokens per forward during prefill (bounds memory).
+    """
+
+    eagle_topk: int = 1
+    num_steps: int = 3
+    num_draft_tokens: int | None = None
+    mask_mode: str = "QLEN_ONLY"
+    attention_backend: str = "torch"
+    accept: str = "greedy"
+    prefill_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("eagle_topk", "num_steps", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"SpecConfig.{name} must be an int, got {value!r}")
+        if self.num_draft_tokens is None and self.eagle_topk == 1:
+            object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
+        if self.num_draft_tokens is not None and (
+            not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)
+        ):
+            raise ConfigError(f"SpecConfig.num_draft_tokens must be an int, got {self.num_draft_tokens!r}")
+        for name in ("mask_mode", "attention_backend", "accept"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"SpecConfig.{name} must be a string, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "SpecConfig":
+        """Read a TOML preset; keys are SpecConfig fields, either at top level or under [spec]."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"spec config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        data = data.get("spec", data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown SpecConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "SpecConfig":
+        if "num_steps" in changes and "num_draft_tokens" not in changes and self.eagle_topk == 1:
+            changes["num_draft_tokens"] = None
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,90 @@
+"""Speculative generation: rounds of draft -> verify -> accept -> commit."""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters.base import TreeShape
+from .drafters.ngram import NgramDrafter
+from .errors import InputError
+from .verify.accept import Acceptance
+
+
+@dataclass
+class GenerateStats:
+    accept_lengths: list = field(default_factory=list)  # tokens emitted per verify (accepted + bonus)
+    verify_seconds: float = 0.0  # wall time inside engine.verify
+    rounds: int = 0
+
+    @property
+    def histogram(self) -> dict:
+        return dict(sorted(Counter(self.accept_lengths).items()))
+
+    @property
+    def mean_tokens_per_verify(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+
+@dataclass
+class GenerateResult:
+    tokens: list  # new tokens only
+    stats: GenerateStats
+
+
+def truncate(acc: Acceptance, emitted: list, budget: int, eos) -> tuple[Acceptance, list, bool]:
+    """Cut an acceptance at the token budget or at the first EOS (inclusive).
+
+    Keeping k emitted tokens commits path[:k] (rows of the first k nodes) with emitted[k-1]
+    as the next root, exactly the state k serial decode steps would leave."""
+    eos_set = set(eos) if isinstance(eos, (list, tuple, set)) else ({eos} if eos is not None else set())
+    k = min(len(emitted), budget)
+    stop = k < len(emitted)
+    for j, tok in enumerate(emitted[:k]):
+        if tok in eos_set:
+            k, stop = j + 1, True
+            break
+    if k == len(emitted):
+        return acc, emitted, stop
+    cut = Acceptance(acc.path[:k], emitted[k - 1], acc.request_id, acc.verify_id)
+    return cut, emitted[:k], True
+
+
+def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=0.0, top_p=1.0,
+             eos_token_id=None, generator=None, progress=None) -> GenerateResult:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if drafter is None:
+        drafter = NgramDrafter(TreeShape.from_spec(engine.spec))
+    req = engine.prefill(prompt_ids)
+    room = engine.limits.max_positions - 1 - req.seq_len - engine.spec.num_steps
+    if max_new_tokens > room:
+        raise InputError(f"max_new_tokens={max_new_tokens} exceeds the {room} positions left (after room for a num_steps-deep draft) before "
+                         f"max_position_embeddings={engine.limits.max_positions}")
+    show = sys.stderr.isatty() if progress is None else progress
+    stats, new = GenerateStats(), []
+    while len(new) < max_new_tokens:
+        tree = drafter.draft(engine, [req])[0]
+        t0 = time.perf_counter()
+        out = engine.verify([req], [tree])
+        stats.verify_seconds += time.perf_counter() - t0
+        if temperature > 0:
+            acc = engine.accept_sampling([req], [tree], out, temperature, top_p, generator)[0]
+        else:
+            acc = engine.accept_greedy([req], [tree], out)[0]
+        acc, emitted, stop = truncate(acc, acc.emitted(tree), max_new_tokens - len(new), eos_token_id)
+        engine.commit([req], [acc], out)
+        new.extend(emitted)
+        stats.rounds += 1
+        stats.accept_lengths.append(len(emitted))
+        if show:
+            print(f"\r[generate] {len(new)}/{max_new_tokens} tokens, {stats.rounds} verifies, "
+                  f"{stats.mean_tokens_per_verify:.2f} tok/verify", end="", file=sys.stderr, flush=True)
+        if stop:
+            break
+    if show:
+        print(file=sys.stderr)
+    return GenerateResult(new, stats)

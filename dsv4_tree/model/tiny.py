@@ -1,0 +1,134 @@
+"""The embedded tiny DeepSeek-V4 checkpoint: made deterministically (seeded) on first use.
+
+Every layer type is present (sliding, C4/CSA with indexer, C128/HCA), hash-MoE and routed
+MoE layers too. Unlike Hugging Face's initializer, the attention sinks, compressor position
+biases, hash routing table and router correction bias get non-trivial random values: zeros
+there would hide bugs in exactly the code tree verify changes."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
+
+TINY_NAME = "tiny-random-v1"
+TINY_SEED = 1234
+
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    q_lora_rank=32,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    max_position_embeddings=4096,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    sliding_window=32,
+    hc_mult=2,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=8,
+    num_nextn_predict_layers=1,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def tiny_config(**overrides) -> DeepseekV4Config:
+    """The tiny config, with overrides (tests use e.g. sliding_window=8 and an HCA ratio of 16)."""
+    kwargs = {**TINY_CONFIG, **overrides}
+    if "compress_rates" in overrides:
+        kwargs["compress_rates"] = {**TINY_CONFIG["compress_rates"], **overrides["compress_rates"]}
+    return DeepseekV4Config(**kwargs)
+
+
+def _fill(name: str, t: torch.Tensor, g: torch.Generator, num_experts: int) -> None:
+    def normal(std):
+        return torch.randn(t.shape, generator=g) * std
+
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        rows = [torch.randperm(num_experts, generator=g)[: t.shape[1]] for _ in range(t.shape[0])]
+        t.copy_(torch.stack(rows))
+    elif leaf == "sinks" or leaf == "position_bias":
+        t.copy_(normal(1.0))
+    elif leaf == "e_score_correction_bias":
+        t.copy_(normal(0.1))
+    elif leaf in ("base", "hc_base"):
+        t.copy_(normal(0.5))
+    elif leaf in ("scale", "hc_scale"):
+        t.copy_(1.0 + normal(0.1))
+    elif leaf in ("fn", "hc_fn"):
+        t.copy_(normal(0.05))
+    elif "norm" in name and leaf == "weight":
+        t.copy_(1.0 + normal(0.1))
+    elif "embed_tokens" in name:
+        t.copy_(normal(1.0))
+    elif leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:
+        t.copy_(normal(1.0 / math.sqrt(t.shape[-1])))
+    elif t.dim() == 2:
+        t.copy_(normal(1.0 / math.sqrt(t.shape[-1])))
+    else:
+        t.copy_(normal(0.1))
+
+
+def random_model(config: DeepseekV4Config, seed: int = TINY_SEED) -> DeepseekV4ForCausalLM:
+    """A DeepseekV4ForCausalLM with seeded random weights (fp32, CPU), deterministic by name."""
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    named = dict(model.named_parameters())
+    named.update({n: b for n, b in model.named_buffers() if n.endswith(("tid2eid", "e_score_correction_bias"))})
+    with torch.no_grad():
+        for name in sorted(named):
+            _fill(name, named[name], g, config.n_routed_experts)
+    return model
+
+
+def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, seed: int = TINY_SEED) -> Path:
+    """Write a seeded random checkpoint (config.json + model.safetensors) to `directory`."""
+    directory = Path(directory)
+    model = random_model(config or tiny_config(), seed)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return directory
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("DSV4_TREE_HOME", Path.home() / ".cache" / "dsv4_tree"))
+
+
+def tiny_checkpoint(directory=None) -> Path:
+    """Directory of the embedded tiny random checkpoint, created (seeded) if missing."""
+    directory = Path(directory) if directory is not None else default_home() / TINY_NAME
+    if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
+        write_random_checkpoint(directory)
+    return directory

@@ -1,0 +1,115 @@
+"""Torch reference implementations of the verify hot spots (fp32-friendly, written for clarity).
+
+These are the torch backend itself and the yardstick for every kernel:
+  ref_pool_entries      -- branch compressor: pool closing nodes' source rows into entries
+  ref_indexer_topk      -- lightning-indexer scores + deterministic top-k (tie rule below)
+  ref_sparse_mqa_sink   -- shared-KV MQA over per-row key lists (+ keys every row shares), sink
+Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
+entries, then the row's branch entries root-to-node); a stable descending sort keeps that
+order among equal scores, so on a tie the earlier block wins.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def ref_pool_entries(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    kv_norm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    apply_rope,
+) -> torch.Tensor:
+    """Pool gathered source rows into compressed entries.
+
+    kv, gate: [E, R, d]  R = m (C128) or 2m (C4: previous block's first half, then this
+              block's second half); gate already includes the position bias (-inf = no row).
+    cos, sin: [1, E, rope_dim/2] rope at each entry's block start w*m.
+    Returns [E, d]: RMSNorm(sum_r softmax_r(gate) * kv), then RoPE."""
+    if kv.shape[0] == 0:
+        return kv.new_zeros((0, kv.shape[-1]))
+    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    pooled = kv_norm((kv * weights).sum(dim=1)).unsqueeze(0)  # [1, E, d]
+    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """sum_h weights[n,h] * relu(q[n,h] . keys[e]) * scale.  q [N,H,D], weights [N,H], keys [E,D] -> [N,E]"""
+    if keys.shape[0] == 0:
+        return q.new_zeros((q.shape[0], 0), dtype=torch.float32)
+    scores = torch.matmul(q.float(), keys.float().t().unsqueeze(0))  # [N, H, E]
+    scores = torch.relu(scores) * scale
+    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def ref_indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    committed_keys: torch.Tensor,
+    branch_keys: torch.Tensor,
+    branch_visible: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Top-k compressed entries per row over committed + the row's own branch entries.
+
+    q [N,H,D]; weights [N,H]; committed_keys [C,D] (every row sees all); branch_keys [E,D];
+    branch_visible [N,V] branch entry ids the row sees, in block order, -1 = none.
+    Returns (selected [N,k] ids into committed++branch, valid [N,k] bool, rows with a tie
+    at the top-k boundary), k = min(topk, C + V)."""
+    n = q.shape[0]
+    c = committed_keys.shape[0]
+    sc = indexer_scores(q, weights, committed_keys, scale)  # [N, C]
+    sb_all = indexer_scores(q, weights, branch_keys, scale)  # [N, E]
+    vis_ok = branch_visible >= 0
+    if branch_visible.shape[1] and sb_all.shape[1]:
+        sb = torch.gather(sb_all, 1, branch_visible.clamp(min=0))
+    else:
+        sb = sc.new_zeros((n, branch_visible.shape[1]))
+    sb = sb.masked_fill(~vis_ok, float("-inf"))
+    scores = torch.cat([sc, sb], dim=1)  # [N, C + V]
+    ids = torch.cat(
+        [torch.arange(c, device=q.device).expand(n, c), c + branch_visible.clamp(min=0)], dim=1
+    )
+    k = min(topk, scores.shape[1])
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    selected = torch.gather(ids, 1, order[:, :k])
+    valid = torch.isfinite(order_scores[:, :k])
+    ties = 0
+    if k < scores.shape[1]:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        ties = int(((edge == nxt) & torch.isfinite(nxt)).sum()) if k > 0 else 0
+    return selected, valid, ties
+
+
+def ref_sparse_mqa_sink(
+    q: torch.Tensor,
+    shared_kv: torch.Tensor,
+    row_kv: torch.Tensor,
+    row_valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-KV multi-query attention with a per-head sink logit (zero value).
+
+    q [N,H,d]; shared_kv [S,d] keys every row sees; row_kv [N,K,d] per-row keys with
+    row_valid [N,K]; sinks [H]. K = V. Returns (out [N,H,d], lse [N,H]) where lse includes
+    the sink term."""
+    n, h, _ = q.shape
+    parts = []
+    if shared_kv.shape[0]:
+        parts.append(torch.matmul(q, shared_kv.t().unsqueeze(0)) * scale)  # [N, H, S]
+    row_logits = torch.matmul(q, row_kv.transpose(1, 2)) * scale  # [N, H, K]
+    row_logits = row_logits.masked_fill(~row_valid.unsqueeze(1), float("-inf"))
+    parts.append(row_logits)
+    parts.append(sinks.to(q.dtype).view(1, h, 1).expand(n, h, 1))
+    logits = torch.cat(parts, dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+    lse = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1)
+    s = shared_kv.shape[0]
+    out = torch.matmul(probs[..., s : s + row_kv.shape[1]], row_kv)  # [N, H, d]
+    if s:
+        out = torch.matmul(probs[..., :s], shared_kv.unsqueeze(0)) + out
+    return out, lse

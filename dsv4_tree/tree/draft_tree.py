@@ -1,0 +1,130 @@
+"""DraftTree: one request's verify tree (node 0 = root, parents before children)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TreeError
+
+
+def depth_by_pointer_jumping(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node from a parent vector ([..., N], -1 at roots), in log2(N) steps.
+
+    Works on a batch: the last dimension holds local node ids."""
+    ptr = parents.clamp(min=0)
+    depth = (parents >= 0).long()
+    n = parents.shape[-1]
+    for _ in range(max(1, (n - 1).bit_length())):
+        depth = depth + torch.gather(depth, -1, ptr)
+        ptr = torch.gather(ptr, -1, ptr)
+    return depth
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """anc[..., i, j] is True when node j lies on path(i) (ancestor or self). [..., N, N]"""
+    n = parents.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape[:-1], n, n)
+    step = torch.zeros_like(eye)
+    step = step | (parents.unsqueeze(-1) == torch.arange(n, device=parents.device))
+    reach = (eye | step).float()
+    for _ in range(max(1, (n - 1).bit_length())):
+        reach = ((reach @ reach) > 0).float()
+    return reach > 0
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A verify tree: `tokens[i]` is node i's token, `parents[i] < i` its parent, node 0 the root.
+
+    tokens:  [N] int64
+    parents: [N] int64, parents[0] == -1
+    Derived (computed once, on construction): depth [N], path [N, max_depth+1] (ancestor of
+    node i at each depth, -1 past its depth), ancestors [N, N] bool, leaves [L].
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int64
+    depth: torch.Tensor = field(init=False, repr=False)  # [N] int64
+    path: torch.Tensor = field(init=False, repr=False)  # [N, max_depth + 1] int64, -1 padded
+    ancestors: torch.Tensor = field(init=False, repr=False)  # [N, N] bool
+    leaves: torch.Tensor = field(init=False, repr=False)  # [L] int64
+
+    def __post_init__(self) -> None:
+        tokens, parents = self.tokens, self.parents
+        for name, t in (("tokens", tokens), ("parents", parents)):
+            if not isinstance(t, torch.Tensor):
+                raise TreeError(f"DraftTree.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int64:
+                raise TreeError(f"DraftTree.{name} must be int64, got {t.dtype}")
+            if t.dim() != 1:
+                raise TreeError(f"DraftTree.{name} must be 1-D, got shape {tuple(t.shape)}")
+        if tokens.numel() == 0:
+            raise TreeError("DraftTree needs at least one node (the root)")
+        if tokens.shape != parents.shape:
+            raise TreeError(f"DraftTree tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ")
+        if tokens.device != parents.device:
+            raise TreeError(f"DraftTree tokens on {tokens.device}, parents on {parents.device}")
+        tokens, parents = tokens.cpu(), parents.cpu()
+        if int(parents[0]) != -1:
+            raise TreeError(f"DraftTree.parents[0] must be -1 (node 0 is the root), got {int(parents[0])}")
+        idx = torch.arange(tokens.numel())
+        bad = ((parents[1:] < 0) | (parents[1:] >= idx[1:])).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0]) + 1
+            raise TreeError(
+                f"DraftTree.parents[{i}]={int(parents[i])}: every non-root node needs 0 <= parent < its index"
+            )
+        if (tokens < 0).any():
+            i = int((tokens < 0).nonzero()[0, 0])
+            raise TreeError(f"DraftTree.tokens[{i}]={int(tokens[i])} is negative")
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        depth = depth_by_pointer_jumping(parents)
+        anc = ancestor_matrix(parents)
+        n = tokens.numel()
+        path = torch.full((n, int(depth.max()) + 1), -1, dtype=torch.int64)
+        rows, cols = anc.nonzero(as_tuple=True)
+        path[rows, depth[cols]] = cols
+        has_child = torch.zeros(n, dtype=torch.bool)
+        has_child[parents[1:]] = True
+        object.__setattr__(self, "depth", depth)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "ancestors", anc)
+        object.__setattr__(self, "leaves", (~has_child).nonzero().flatten())
+
+    @classmethod
+    def from_lists(cls, tokens, parents) -> "DraftTree":
+        return cls(torch.as_tensor(tokens, dtype=torch.int64), torch.as_tensor(parents, dtype=torch.int64))
+
+    @classmethod
+    def chain(cls, tokens) -> "DraftTree":
+        """A chain: node i's parent is i - 1."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)
+        return cls(tokens, torch.arange(tokens.numel(), dtype=torch.int64) - 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """Absolute positions P + depth. [N]"""
+        return self.depth + seq_len
+
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(self.num_nodes) - 1).all())
+
+    def path_tokens(self, node: int) -> torch.Tensor:
+        """Tokens of path(node), root first. [depth(node) + 1]"""
+        p = self.path[node]
+        return self.tokens[p[p >= 0]]
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def __len__(self) -> int:
+        return self.num_nodes

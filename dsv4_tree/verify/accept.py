@@ -1,0 +1,41 @@
+"""Acceptance: which path of a verified tree is kept, and the bonus token after it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tree.build import links_from_parents
+from ..tree.draft_tree import DraftTree
+from ..tree.greedy import verify_tree_greedy
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """path: node ids root..deepest accepted (starts with 0); bonus: the target's next token.
+    The committed rows are path (n+1 nodes); the emitted tokens are tokens(path[1:]) + [bonus]."""
+
+    path: tuple
+    bonus: int
+    request_id: int
+    verify_id: int  # which verify call produced it (commit refuses stale ones)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+    def emitted(self, tree: DraftTree) -> list:
+        return [int(tree.tokens[i]) for i in self.path[1:]] + [self.bonus]
+
+
+def greedy_path(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
+    """SGLang greedy traversal on one tree: (path node ids, bonus token)."""
+    n = tree.num_nodes
+    first, sib = links_from_parents(tree.parents.unsqueeze(0))
+    target = logits.argmax(-1).cpu().unsqueeze(0)
+    res = verify_tree_greedy(
+        tree.tokens.unsqueeze(0), torch.arange(n).unsqueeze(0), first, sib, target, tree.max_depth + 1
+    )
+    acc = res.accept_index[0]
+    path = acc[acc >= 0].tolist()
+    return path, int(res.predicts[path[-1]])

@@ -1,0 +1,75 @@
+"""Shared case generators: small models, prompts, random trees, and the oracle comparison."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.model.tiny import random_model
+from dsv4_tree.reference import per_path_logits, relative_error
+
+# fp32 end to end; our gathers/matmuls sum in a different order than HF's dense masked
+# attention, so logits differ by rounding only (seen: ~1e-6 relative). 1e-4 leaves two orders
+# of magnitude for that while any visibility bug (a wrong key or entry) shows up as >1e-2.
+REL_TOL = 1e-4
+VOCAB = 512
+
+
+@functools.lru_cache(maxsize=None)
+def small_model(window: int = 8, hca: int = 16, topk: int = 3, sliding_only: bool = False):
+    """Tiny model with a short window and HCA ratio so crossings happen at short lengths."""
+    kw = dict(sliding_window=window, compress_rates={"heavily_compressed_attention": hca}, index_topk=topk,
+              max_position_embeddings=512)
+    if sliding_only:
+        kw.update(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["hash_moe", "moe"])
+    return dt.load_model(random_model(dt.tiny_config(**kw)))
+
+
+def engine_for(model, topk: int = 4, steps: int = 12, nodes: int = 64) -> dt.Engine:
+    return dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def random_tree(root: int, n: int, max_depth: int, max_children: int, seed: int, dup_siblings: bool = False):
+    """Random tree with parents before children, depth <= max_depth, <= max_children per node.
+    dup_siblings: give some siblings the same token."""
+    g = torch.Generator().manual_seed(seed)
+    parents, depth, kids = [-1], [0], [0]
+    while len(parents) < n:
+        cands = [j for j in range(len(parents)) if depth[j] < max_depth and kids[j] < max_children]
+        if not cands:
+            break
+        p = cands[int(torch.randint(len(cands), (1,), generator=g))]
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        kids[p] += 1
+        kids.append(0)
+    toks = torch.randint(2, VOCAB, (len(parents),), generator=g)
+    toks[0] = root
+    if dup_siblings:
+        for i in range(2, len(parents)):
+            if parents[i] == parents[i - 1] and i % 2 == 0:
+                toks[i] = toks[i - 1]
+    return dt.DraftTree(toks, torch.tensor(parents, dtype=torch.int64))
+
+
+def deep_chain_tree(root: int, depth: int, seed: int):
+    return random_tree(root, depth + 1, depth, 1, seed)
+
+
+def check_against_oracle(model, engine, prompts, trees, label: str = "") -> float:
+    """Verify all requests in one call; every row must match its per-path HF run."""
+    reqs = [engine.prefill(p) for p in prompts]
+    out = engine.verify(reqs, trees)
+    assert out.topk_ties == 0, f"{label}: indexer tie at the top-k boundary; choose another seed"
+    worst = 0.0
+    for b, (p, tree) in enumerate(zip(prompts, trees)):
+        ref = per_path_logits(model, p[:-1], tree)
+        err = relative_error(out.logits[b], ref)
+        assert err < REL_TOL, f"{label} request {b}: P={p.numel() - 1} N={tree.num_nodes} depth={tree.max_depth} rel_err={err:.3e}"
+        worst = max(worst, err)
+    return worst

@@ -1,0 +1,20 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+WORST = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tiny_home(tmp_path_factory):
+    # keep the generated tiny checkpoint out of the user's home during tests
+    if "DSV4_TREE_HOME" not in os.environ:
+        os.environ["DSV4_TREE_HOME"] = str(tmp_path_factory.mktemp("dsv4_home"))
+    yield

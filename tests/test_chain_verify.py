@@ -1,0 +1,56 @@
+"""Chain verify (eagle_topk = 1) through our cache equals per-path Hugging Face runs."""
+import pytest
+import torch
+
+import dsv4_tree as dt
+from cases import check_against_oracle, deep_chain_tree, engine_for, prompt, small_model
+
+# every residue mod 4, P < W (=8), around multiples of the HCA ratio (=16), and a longer one
+P_VALUES = [0, 1, 2, 3, 5, 6, 7, 14, 15, 16, 17, 31, 32, 33, 47, 63, 64]
+
+
+@pytest.mark.parametrize("P", P_VALUES)
+def test_chain_matches_per_path(P):
+    model = small_model()
+    eng = engine_for(model, topk=1, steps=4, nodes=5)
+    p = prompt(P + 1, seed=P)
+    check_against_oracle(model, eng, [p], [deep_chain_tree(int(p[-1]), 4, seed=P)], f"P={P}")
+
+
+@pytest.mark.parametrize("P", [3, 13, 30])
+def test_deep_chain_closes_three_c4_blocks(P):
+    model = small_model()
+    eng = engine_for(model, topk=1, steps=12, nodes=13)
+    p = prompt(P + 1, seed=100 + P)
+    tree = deep_chain_tree(int(p[-1]), 12, seed=P)
+    closing = ((tree.positions(P) + 1) % 4 == 0).sum()
+    assert closing >= 3, f"{P=} closes only {closing} C4 blocks"
+    check_against_oracle(model, eng, [p], [tree], f"deep chain P={P}")
+
+
+def test_requests_with_different_P_in_one_call():
+    model = small_model()
+    eng = engine_for(model, topk=1, steps=6, nodes=7)
+    prompts = [prompt(6, 1), prompt(15, 2), prompt(34, 3)]
+    trees = [deep_chain_tree(int(p[-1]), d, seed=i) for i, (p, d) in enumerate(zip(prompts, (6, 3, 5)))]
+    check_against_oracle(model, eng, prompts, trees, "batch of chains")
+
+
+def test_chain_mode_equals_chain_through_tree_engine_bitwise():
+    """Chains and trees share one code path: the same chain gives identical logits either way."""
+    model = small_model()
+    p = prompt(20, 9)
+    tree = deep_chain_tree(int(p[-1]), 5, seed=9)
+    chain_eng = engine_for(model, topk=1, steps=5, nodes=6)
+    tree_eng = engine_for(model, topk=4, steps=12, nodes=64)
+    a = chain_eng.verify([chain_eng.prefill(p)], [tree]).logits[0]
+    b = tree_eng.verify([tree_eng.prefill(p)], [tree]).logits[0]
+    assert torch.equal(a, b)
+
+
+def test_shipped_tiny_checkpoint_chain():
+    """The shipped config (window 32, ratios 4 and 128) across the 128 boundary."""
+    model = dt.load_model(dt.tiny_checkpoint())
+    eng = engine_for(model, topk=1, steps=6, nodes=7)
+    p = prompt(125, seed=5)
+    check_against_oracle(model, eng, [p], [deep_chain_tree(int(p[-1]), 6, seed=5)], "tiny 128 crossing")
