@@ -48,19 +48,15 @@ class PlantedDrafter:
         vocab = self.model.vocab_size
         toks = torch.randint(vocab, (n,), generator=self.gen)
         toks[0] = req.root_token
-        depth_max = 0
-        cur, d = 0, 0
         kids = {u: [i for i in range(n) if parents[i] == u] for u in range(n)}
+        walk, cur = [], 0  # the branch that carries the target's continuation
         while kids[cur]:
             cur = kids[cur][self._rand(len(kids[cur]))]
-            d += 1
-        depth_max = d
-        planted = self.greedy_continuation(req.tokens, req.root_token, depth_max)
-        cur = 0
-        for tok in planted:
-            cur = kids[cur][self._rand(len(kids[cur]))]
+            walk.append(cur)
+        planted = self.greedy_continuation(req.tokens, req.root_token, len(walk))
+        for node, tok in zip(walk, planted):
             good = float(torch.rand(1, generator=self.gen)) >= self.corrupt
-            toks[cur] = tok if good else self._rand(vocab)
+            toks[node] = tok if good else self._rand(vocab)
         return DraftTree(toks.long(), torch.tensor(parents, dtype=torch.int64))
 
     def draft(self, engine, requests) -> list:

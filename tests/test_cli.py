@@ -1,0 +1,35 @@
+"""The command line: demo (checked per path), generate, errors and help."""
+import json
+import subprocess
+import sys
+
+from dsv4_tree.cli import main
+
+
+def test_demo_chain_and_tree(capsys):
+    assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "rel_err" in out and "PASS" in out
+    assert main(["demo", "--rounds", "2", "--prompt-len", "30", "--topk", "3", "--num-steps", "4",
+                 "--num-draft-tokens", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "topk=3 num_steps=4 num_draft_tokens=10" in out and "PASS" in out
+
+
+def test_generate_prints_stats_and_json(capsys):
+    assert main(["generate", "--max-new-tokens", "12", "--topk", "2", "--num-steps", "3"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    data = json.loads(last)
+    assert len(data["tokens"]) == 12 and data["rounds"] >= 1
+
+
+def test_bad_config_is_a_clean_error(capsys):
+    assert main(["demo", "--topk", "2", "--num-steps", "2", "--num-draft-tokens", "50"]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+
+
+def test_help_explains_flags():
+    out = subprocess.run([sys.executable, "-m", "dsv4_tree.cli", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--topk", "--num-steps", "--num-draft-tokens", "--rounds", "--checkpoint", "--spec"):
+        assert flag in out.stdout
