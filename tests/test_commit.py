@@ -131,3 +131,16 @@ def test_commit_matches_hugging_face_dynamic_cache():
             if st.overlap:
                 assert torch.allclose(hl.overlap_kv[name][0], st.overlap_kv, atol=STATE_TOL)
                 assert torch.allclose(hl.overlap_gate[name][0], st.overlap_gate, atol=STATE_TOL)
+
+
+def test_prefill_in_chunks_equals_one_chunk():
+    """Chunk boundaries (here every 7 tokens) leave the same state as one long prefill."""
+    model = small_model()
+    p = prompt(40, 77)
+    whole = dt.Engine(model, dt.SpecConfig(prefill_chunk=256)).prefill(p)
+    chunked_eng = dt.Engine(model, dt.SpecConfig(prefill_chunk=7, num_steps=6))
+    chunked = chunked_eng.prefill(p)
+    assert_same_state(whole, chunked, "chunked prefill")
+    nxt = deep_chain_tree(chunked.root_token, 6, seed=1)
+    got = chunked_eng.verify([chunked], [nxt]).logits[0]
+    assert relative_error(got, per_path_logits(model, chunked.tokens, nxt)) < REL_TOL
