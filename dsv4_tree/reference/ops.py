@@ -34,13 +34,18 @@ def ref_pool_entries(
     return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """sum_h weights[n,h] * relu(q[n,h] . keys[e]) * scale.  q [N,H,D], weights [N,H], keys [E,D] -> [N,E]"""
-    if keys.shape[0] == 0:
-        return q.new_zeros((q.shape[0], 0), dtype=torch.float32)
-    scores = torch.matmul(q.float(), keys.float().t().unsqueeze(0))  # [N, H, E]
-    scores = torch.relu(scores) * scale
-    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                   chunk: int = 8192) -> torch.Tensor:
+    """sum_h weights[n,h] * relu(q[n,h] . keys[e]) * scale.  q [N,H,D], weights [N,H], keys [E,D] -> [N,E]
+
+    Keys are scored in chunks so the [N, H, chunk] intermediate stays bounded at long context."""
+    out = q.new_empty((q.shape[0], keys.shape[0]), dtype=torch.float32)
+    qf, wf = q.float(), weights.float().unsqueeze(-1)
+    for start in range(0, keys.shape[0], chunk):
+        k = keys[start : start + chunk].float()
+        scores = torch.relu(torch.matmul(qf, k.t().unsqueeze(0))) * scale  # [N, H, chunk]
+        out[:, start : start + k.shape[0]] = (scores * wf).sum(dim=1)
+    return out
 
 
 def ref_indexer_topk(

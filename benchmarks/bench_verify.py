@@ -1,0 +1,254 @@
+"""Long-context verify: tree vs chain (same rows) vs per-path (each root-to-leaf path as its own
+chain), on a model with DeepSeek-V4-Flash attention shapes and synthetic committed caches.
+
+Human table first, a PNG plot, and as the last line one JSON object (headline: N=8 topk-4 tree
+at 64K context, or the largest context run)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.cache.synth import synthetic_cache
+from dsv4_tree.engine import Request
+from dsv4_tree.model.tiny import random_model
+from dsv4_tree.tree import TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees
+
+FLASH_ATTENTION = dict(
+    vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+    partial_rotary_factor=64 / 512, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+    index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    # the MoE is not what this measures: keep it small
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256,
+    max_position_embeddings=1 << 21,
+)
+
+
+def bench_model(layers: int, device: str, dtype):
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    types = [kinds[i % 3] for i in range(layers)]
+    cfg = dt.tiny_config(**FLASH_ATTENTION, num_hidden_layers=layers, layer_types=types,
+                         mlp_layer_types=["moe"] * layers)
+    return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
+
+
+def eagle_tree(root: int, n: int, topk: int = 4, seed: int = 0):
+    """An EAGLE-shaped tree of n nodes: random draft scores through the SGLang builders."""
+    if n == 1:
+        return dt.DraftTree.chain([root])
+    steps = 2
+    while topk + (steps - 1) * topk * topk < n - 1:
+        steps += 1
+    g = torch.Generator().manual_seed(seed)
+    scores = [torch.rand(1, 1, topk, generator=g)]
+    tokens = [torch.randint(2, 1000, (1, topk), generator=g)]
+    parents = [torch.cat([torch.tensor([[-1]]), torch.arange(topk).view(1, -1)], 1)]
+    frontier = scores[0].reshape(1, topk)
+    for i in range(1, steps):
+        s = frontier.unsqueeze(-1) * torch.softmax(torch.randn(1, topk, topk, generator=g) * 2, -1)
+        scores.append(s)
+        tokens.append(torch.randint(2, 1000, (1, topk * topk), generator=g))
+        top = s.reshape(1, -1).topk(topk, -1).indices
+        frontier = s.reshape(1, -1).gather(1, top)
+        parents.append(top + topk * topk * (i - 1) + topk)
+    org = organize_draft_results(scores, tokens, parents, n)
+    built = build_tree(torch.tensor([root]), org.parent_list, org.top_scores_index, org.draft_tokens,
+                       torch.tensor([0]), topk, steps, n, TreeMaskMode.QLEN_ONLY)
+    return tensors_to_trees(built.draft_tokens, built.retrieve_next_token, built.retrieve_next_sibling)[0]
+
+
+class PeakMemory:
+    """Peak bytes above the starting level during a block: CUDA allocator stats on GPU, the
+    process's peak resident set (reset through /proc/self/clear_refs) on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.startswith("cuda")
+
+    def __enter__(self):
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = self._status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = max(0, self._status("VmHWM") - self.base)
+
+    @staticmethod
+    def _status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(key)
+
+
+def cache_bytes(cache) -> int:
+    total = 0
+    for lc in cache.layers:
+        total += lc.window.numel() * lc.window.element_size()
+        for st in (lc.main, lc.indexer):
+            if st is not None:
+                total += st.entries.rows.numel() * st.entries.rows.element_size()
+    return total
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_case(engine, req, tree, device, reps):
+    chain = dt.DraftTree.chain(torch.cat([tree.tokens[:1], torch.randint(2, 1000, (tree.num_nodes - 1,))]))
+    paths = [dt.DraftTree.chain(tree.path_tokens(int(leaf))) for leaf in tree.leaves]
+    providers = {
+        "tree": lambda: engine.verify([req], [tree]),
+        "chain": lambda: engine.verify([req], [chain]),
+        "per_path": lambda: [engine.verify([req], [p]) for p in paths],
+    }
+    times = {k: [] for k in providers}
+    mem = {}
+    for name, fn in providers.items():  # warm-up, and peak memory of one call
+        with PeakMemory(device) as pm:
+            fn()
+            sync(device)
+        mem[name] = pm.peak
+    for _ in range(reps):  # interleaved repetitions
+        for name, fn in providers.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    path_rows = sum(int(tree.depth[leaf]) + 1 for leaf in tree.leaves)
+    return med, mem, len(paths), path_rows / tree.num_nodes
+
+
+def _reexec_for_honest_rss():
+    """On CPU, make glibc mmap (and so return on free) every allocation >= 64 KiB, so the
+    process's resident set follows live tensor memory and peak RSS measures a call's peak."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main(argv=None):
+    if argv is None and "cuda" not in " ".join(sys.argv):
+        _reexec_for_honest_rss()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small contexts and sizes; under a minute on 2 CPU cores")
+    ap.add_argument("--contexts", default=None, help="comma list, e.g. 16384,65536,262144")
+    ap.add_argument("--nodes", default=None, help="comma list of tree sizes, e.g. 1,4,8,16,32,64")
+    ap.add_argument("--layers", type=int, default=3, help="decoder layers (cycling SWA, C4, C128)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per provider")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    ap.add_argument("--plot", default="bench_out/bench_verify.png", help="PNG path ('' to skip)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        contexts, nodes, reps = [4096, 16384], [8], args.reps or 2
+    else:
+        contexts = [16384, 65536, 262144]
+        nodes, reps = [1, 4, 8, 16, 32, 64], args.reps or 3
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    if args.nodes:
+        nodes = [int(x) for x in args.nodes.split(",")]
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    t0 = time.perf_counter()
+    model = bench_model(args.layers, args.device, dtype)
+    engine = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64))
+    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
+    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; {args.layers} layers "
+          f"(64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128); model built in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+    records = []
+    header = (f"{'ctx':>7} {'N':>3} {'shape':>5} {'leaves':>6} {'R':>5} {'tree_ms':>9} {'chain_ms':>9} "
+              f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8}")
+    lines = []
+    for ctx in contexts:
+        cache = synthetic_cache(model, ctx, seed=ctx)
+        req = Request(torch.randint(2, 1000, (ctx,)), 5, cache)
+        base = cache_bytes(cache)
+        for n in nodes:
+            for shape in (("tree", "chain") if n > 1 else ("tree",)):
+                tree = eagle_tree(5, n) if shape == "tree" else dt.DraftTree.chain([5] + list(range(2, n + 1)))
+                med, mem, leaves, r = run_case(engine, req, tree, args.device, reps)
+                rec = {"context": ctx, "N": n, "shape": "topk4" if shape == "tree" else "chain", "leaves": leaves,
+                       "path_rows_over_n": r, "tree_s": med["tree"], "chain_s": med["chain"],
+                       "per_path_s": med["per_path"], "tree_over_chain": med["tree"] / med["chain"],
+                       "per_path_over_tree": med["per_path"] / med["tree"], "tree_peak_bytes": mem["tree"],
+                       "chain_peak_bytes": mem["chain"], "cache_bytes": base,
+                       "extra_mem_frac": (mem["tree"] - mem["chain"]) / (base + mem["chain"])}
+                records.append(rec)
+                line = (f"{ctx:>7} {n:>3} {rec['shape']:>5} {leaves:>6} {r:>5.2f} {1e3 * med['tree']:>9.1f} "
+                        f"{1e3 * med['chain']:>9.1f} {1e3 * med['per_path']:>9.1f} {rec['tree_over_chain']:>10.3f} "
+                        f"{rec['per_path_over_tree']:>9.2f} {mem['tree'] / 2**20:>8.1f} {mem['chain'] / 2**20:>8.1f}")
+                lines.append(line)
+                print(line if len(lines) > 1 else header + "\n" + line, file=sys.stderr, flush=True)
+        del cache, req
+        gc.collect()
+    print(f"machine: {machine}; {dtype}; medians of {reps} interleaved repetitions; "
+          "R = rows over all root-to-leaf paths / N; MB = peak memory above the committed state during one call")
+    print(header)
+    print("\n".join(lines))
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot: {args.plot}")
+    trees = [r for r in records if r["shape"] == "topk4" and r["N"] == 8] or [r for r in records if r["shape"] == "topk4"]
+    head = min(trees, key=lambda r: abs(r["context"] - 65536))
+    summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
+                                    "extra_mem_frac", "context", "N")}
+    summary.update(machine=machine, dtype=str(dtype), records=records)
+    print(json.dumps(summary))
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    trees = [r for r in records if r["shape"] == "topk4"]
+    for n in sorted({r["N"] for r in trees}):
+        rs = sorted((r for r in trees if r["N"] == n), key=lambda r: r["context"])
+        a.plot([r["context"] for r in rs], [1e3 * r["tree_s"] for r in rs], marker="o", label=f"tree N={n}")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("context (tokens)")
+    a.set_ylabel("verify time (ms)")
+    a.legend(fontsize=7)
+    ctx = max(r["context"] for r in trees)
+    rs = sorted((r for r in trees if r["context"] == ctx), key=lambda r: r["N"])
+    for key, label in (("tree_s", "tree"), ("chain_s", "chain (same rows)"), ("per_path_s", "per-path")):
+        b.plot([r["N"] for r in rs], [1e3 * r[key] for r in rs], marker="o", label=label)
+    b.set_xlabel(f"nodes N (context {ctx})")
+    b.set_ylabel("verify time (ms)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
