@@ -9,7 +9,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 MASK_MODES = ("FULL_MASK", "QLEN_ONLY", "QLEN_ONLY_BITPACKING")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 ACCEPT_ALGORITHMS = ("greedy", "sampling")
 
 

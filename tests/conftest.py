@@ -1,6 +1,11 @@
 import os
 import sys
 
+# Triton kernels run on CPU through the interpreter; it must be chosen before triton is
+# imported. On a GPU machine run with DSV4_TREE_GPU=1 to compile them for the device.
+if os.environ.get("DSV4_TREE_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))

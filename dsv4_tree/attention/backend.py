@@ -24,4 +24,10 @@ TORCH_OPS = AttentionOps("torch", ref.ref_pool_entries, ref.ref_indexer_topk, re
 def get_backend(name: str) -> AttentionOps:
     if name == "torch":
         return TORCH_OPS
-    raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch',)")
+    if name == "triton":
+        try:
+            from .. import kernels
+        except ImportError as exc:
+            raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
+        return AttentionOps("triton", kernels.pool_entries, kernels.indexer_topk, kernels.sparse_mqa_sink)
+    raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

@@ -33,12 +33,3 @@ def branch_entries(state, new_kv, new_gate, cp: CompressPlan, module, rope_cs, a
     kv, gate = gather_block_rows(state, new_kv, new_gate, cp, module.position_bias)
     cos, sin = rope_cs
     return pool(kv, gate, module.kv_norm, cos, sin, apply_rope)
-
-
-def gather_entries(committed: torch.Tensor, branch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of cat[committed, branch] at ids [N, k] without materialising the concatenation."""
-    c, e = committed.shape[0], branch.shape[0]
-    shape = (*ids.shape, committed.shape[-1])
-    a = committed[ids.clamp(max=max(c - 1, 0))] if c else committed.new_zeros(shape)
-    b = branch[(ids - c).clamp(min=0, max=max(e - 1, 0))] if e else committed.new_zeros(shape)
-    return torch.where((ids < c).unsqueeze(-1), a, b)

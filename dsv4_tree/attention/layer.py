@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress import branch_entries, gather_entries
+from .compress import branch_entries
 from .plan import VerifyPlan
 
 
@@ -66,13 +66,17 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
     for b, rp in enumerate(plan.requests):
         rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
         cache = layer_caches[b]
-        row_kv = torch.cat([cache.window, kv[rows]])[rp.swa_index]  # [N, W, d]
-        row_valid, shared = rp.swa_valid, empty
+        n_local = rp.window_len + rp.num_nodes  # local table = [window, new rows, branch entries]
+        local_index = torch.where(rp.swa_valid, rp.swa_index, torch.full_like(rp.swa_index, -1))
+        shared, global_kv = empty, empty
+        global_index = rp.swa_index.new_zeros((rp.num_nodes, 0))
+        parts = [cache.window, kv[rows]]
         if comp is not None:
             cp = rp.compress[comp.compress_rate]
             cs = rope.blocks[(b, comp.compress_rate)]
             ent = branch_entries(cache.main, main.kv[rows], main.gate[rows], cp, comp, cs, apply_rope, ops.pool_entries)
             main.entries.append(ent)
+            parts.append(ent)
             if index is not None:
                 ient = branch_entries(
                     cache.indexer, index.kv[rows], index.gate[rows], cp, comp.indexer, cs, apply_rope, ops.pool_entries
@@ -83,16 +87,19 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
                     comp.indexer.index_topk, comp.indexer.scorer.softmax_scale,
                 )
                 ties += n_ties
-                extra = gather_entries(cache.main.entries.rows, ent, sel)
-                extra_valid = valid
+                c = cp.committed
+                none = torch.full_like(sel, -1)
+                global_kv = cache.main.entries.rows
+                global_index = torch.where(valid & (sel < c), sel, none)
+                extra = torch.where(valid & (sel >= c), n_local + sel - c, none)
             else:
                 shared = cache.main.entries.rows
                 vis = cp.visible
-                extra = ent[vis.clamp(min=0)] if ent.shape[0] else kv.new_zeros((*vis.shape, d))
-                extra_valid = vis >= 0
-            row_kv = torch.cat([row_kv, extra], dim=1)
-            row_valid = torch.cat([row_valid, extra_valid], dim=1)
-        out, _ = ops.sparse_mqa_sink(q[rows], shared, row_kv, row_valid, attn.sinks, attn.scaling)
+                extra = torch.where(vis >= 0, n_local + vis, torch.full_like(vis, -1))
+            local_index = torch.cat([local_index, extra], dim=1)
+        local_kv = torch.cat(parts)
+        out, _ = ops.sparse_mqa_sink(q[rows], shared, local_kv, local_index, global_kv, global_index,
+                                     attn.sinks, attn.scaling)
         outs.append(out)
     out = torch.cat(outs).unsqueeze(0)  # [1, T, H, d]
     out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)

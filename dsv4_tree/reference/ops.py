@@ -3,7 +3,7 @@
 These are the torch backend itself and the yardstick for every kernel:
   ref_pool_entries      -- branch compressor: pool closing nodes' source rows into entries
   ref_indexer_topk      -- lightning-indexer scores + deterministic top-k (tie rule below)
-  ref_sparse_mqa_sink   -- shared-KV MQA over per-row key lists (+ keys every row shares), sink
+  ref_sparse_mqa_sink   -- shared-KV MQA over per-row index lists into key tables (+ shared keys), sink
 Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
 entries, then the row's branch entries root-to-node); a stable descending sort keeps that
 order among equal scores, so on a tie the earlier block wins.
@@ -48,6 +48,34 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, s
     return out
 
 
+def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, branch_visible: torch.Tensor,
+                topk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The tie rule (shared by every backend): candidates in block order, stable descending sort.
+
+    committed_scores [N,C]; branch_scores [N,E] (all branch entries); branch_visible [N,V].
+    Returns (selected [N,k] ids into committed++branch, valid [N,k], boundary-tie rows)."""
+    n, c = committed_scores.shape
+    vis_ok = branch_visible >= 0
+    if branch_visible.shape[1] and branch_scores.shape[1]:
+        sb = torch.gather(branch_scores, 1, branch_visible.clamp(min=0))
+    else:
+        sb = committed_scores.new_zeros((n, branch_visible.shape[1]))
+    sb = sb.masked_fill(~vis_ok, float("-inf"))
+    scores = torch.cat([committed_scores, sb], dim=1)  # [N, C + V]
+    ids = torch.cat(
+        [torch.arange(c, device=scores.device).expand(n, c), c + branch_visible.clamp(min=0)], dim=1
+    )
+    k = min(topk, scores.shape[1])
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    selected = torch.gather(ids, 1, order[:, :k])
+    valid = torch.isfinite(order_scores[:, :k])
+    ties = 0
+    if 0 < k < scores.shape[1]:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        ties = int(((edge == nxt) & torch.isfinite(nxt)).sum())
+    return selected, valid, ties
+
+
 def ref_indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -56,6 +84,7 @@ def ref_indexer_topk(
     branch_visible: torch.Tensor,
     topk: int,
     scale: float,
+    scores_fn=indexer_scores,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-k compressed entries per row over committed + the row's own branch entries.
 
@@ -63,56 +92,51 @@ def ref_indexer_topk(
     branch_visible [N,V] branch entry ids the row sees, in block order, -1 = none.
     Returns (selected [N,k] ids into committed++branch, valid [N,k] bool, rows with a tie
     at the top-k boundary), k = min(topk, C + V)."""
-    n = q.shape[0]
-    c = committed_keys.shape[0]
-    sc = indexer_scores(q, weights, committed_keys, scale)  # [N, C]
-    sb_all = indexer_scores(q, weights, branch_keys, scale)  # [N, E]
-    vis_ok = branch_visible >= 0
-    if branch_visible.shape[1] and sb_all.shape[1]:
-        sb = torch.gather(sb_all, 1, branch_visible.clamp(min=0))
-    else:
-        sb = sc.new_zeros((n, branch_visible.shape[1]))
-    sb = sb.masked_fill(~vis_ok, float("-inf"))
-    scores = torch.cat([sc, sb], dim=1)  # [N, C + V]
-    ids = torch.cat(
-        [torch.arange(c, device=q.device).expand(n, c), c + branch_visible.clamp(min=0)], dim=1
-    )
-    k = min(topk, scores.shape[1])
-    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    selected = torch.gather(ids, 1, order[:, :k])
-    valid = torch.isfinite(order_scores[:, :k])
-    ties = 0
-    if k < scores.shape[1]:
-        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        ties = int(((edge == nxt) & torch.isfinite(nxt)).sum()) if k > 0 else 0
-    return selected, valid, ties
+    sc = scores_fn(q, weights, committed_keys, scale)  # [N, C]
+    sb = scores_fn(q, weights, branch_keys, scale)  # [N, E]
+    return select_topk(sc, sb, branch_visible, topk)
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """table [M,d], index [N,K] (-1 = none) -> rows [N,K,d] (zeros where none), valid [N,K]."""
+    valid = index >= 0
+    if table.shape[0] == 0:
+        return table.new_zeros((*index.shape, table.shape[-1])), valid & False
+    return table[index.clamp(min=0)], valid
 
 
 def ref_sparse_mqa_sink(
     q: torch.Tensor,
     shared_kv: torch.Tensor,
-    row_kv: torch.Tensor,
-    row_valid: torch.Tensor,
+    local_kv: torch.Tensor,
+    local_index: torch.Tensor,
+    global_kv: torch.Tensor,
+    global_index: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared-KV multi-query attention with a per-head sink logit (zero value).
+    """Shared-KV multi-query attention with a per-head sink logit (zero value). K = V.
 
-    q [N,H,d]; shared_kv [S,d] keys every row sees; row_kv [N,K,d] per-row keys with
-    row_valid [N,K]; sinks [H]. K = V. Returns (out [N,H,d], lse [N,H]) where lse includes
-    the sink term."""
+    q [N,H,d]; shared_kv [S,d]: keys every row sees (C128 committed entries);
+    local_kv [M,d] with local_index [N,K1]: per-row keys in a small table (window, new rows,
+    branch entries); global_kv [G,d] with global_index [N,K2]: per-row picks from a large
+    table (C4 committed entries); index -1 = no key; sinks [H].
+    Returns (out [N,H,d], lse [N,H]); lse includes the sink term."""
     n, h, _ = q.shape
+    lk, lv = gather_rows(local_kv, local_index)
+    gk, gv = gather_rows(global_kv, global_index)
+    row_kv = torch.cat([lk, gk], dim=1)
+    row_valid = torch.cat([lv, gv], dim=1)
     parts = []
     if shared_kv.shape[0]:
         parts.append(torch.matmul(q, shared_kv.t().unsqueeze(0)) * scale)  # [N, H, S]
     row_logits = torch.matmul(q, row_kv.transpose(1, 2)) * scale  # [N, H, K]
-    row_logits = row_logits.masked_fill(~row_valid.unsqueeze(1), float("-inf"))
-    parts.append(row_logits)
+    parts.append(row_logits.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
     parts.append(sinks.to(q.dtype).view(1, h, 1).expand(n, h, 1))
     logits = torch.cat(parts, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
-    lse = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1)
     s = shared_kv.shape[0]
     out = torch.matmul(probs[..., s : s + row_kv.shape[1]], row_kv)  # [N, H, d]
     if s:

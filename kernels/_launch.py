@@ -1,0 +1,46 @@
+"""Launcher checks shared by the kernels: shapes, strides, dtypes and device, before launch."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsv4_tree.errors import InputError
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(*tensors: torch.Tensor) -> torch.device:
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise InputError(f"kernel inputs on different devices: {t.device} vs {dev}")
+    if dev.type == "cpu" and not interpreting():
+        raise InputError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"Triton kernels run on cuda (or cpu under TRITON_INTERPRET=1), got {dev}")
+    return dev
+
+
+def check(name: str, t: torch.Tensor, dims: int, dtypes=None, contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise InputError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise InputError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise InputError(f"{name} must be contiguous (strides {t.stride()})")
+
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INDEX = (torch.int32, torch.int64)
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
