@@ -9,7 +9,7 @@ import time
 import torch
 
 from .config import SpecConfig
-from .drafters import NgramDrafter, PlantedDrafter, TreeShape
+from .drafters import MtpDrafter, NgramDrafter, PlantedDrafter, TreeShape
 from .engine import Engine
 from .errors import Dsv4TreeError
 from .model.adapter import load_model
@@ -95,6 +95,8 @@ def cmd_generate(args) -> int:
     shape = TreeShape.from_spec(engine.spec)
     if args.drafter == "ngram":
         drafter = NgramDrafter(shape)
+    elif args.drafter == "mtp":
+        drafter = MtpDrafter(model, shape)
     else:
         drafter = PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
     if args.prompt is not None:
@@ -127,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
     _spec_args(g)
-    g.add_argument("--drafter", choices=("ngram", "planted"), default="ngram",
-                   help="ngram: prompt lookup (model-free); planted: synthetic test drafter")
+    g.add_argument("--drafter", choices=("ngram", "mtp", "planted"), default="ngram",
+                   help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
+                        "planted: synthetic test drafter")
     g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
     g.add_argument("--prompt-len", type=int, default=64, help="length of the default prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")

@@ -31,6 +31,9 @@ class Request:
     root_token: int
     cache: RequestCache = field(repr=False)
     request_id: int = field(default_factory=lambda: next(_ids))
+    # target residual streams (before hc_head) of the rows the last prefill/commit added,
+    # positions seq_len - n .. seq_len - 1: what an MTP drafter extends its own cache with
+    new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
 
     @property
     def seq_len(self) -> int:
@@ -139,6 +142,7 @@ class Engine:
         req = Request(ids[:0].clone(), int(ids[-1]), self.model.new_cache())
         body = ids[:-1]
         chunk = self.spec.prefill_chunk
+        hidden = []
         for start in range(0, body.numel(), chunk):
             part = body[start : start + chunk]
             tree = DraftTree.chain(part)
@@ -147,6 +151,8 @@ class Engine:
             updates = commit_mod.commit_plan(self.model, req.cache, run.layers, 0, plan.requests[0], path)
             commit_mod.apply(req.cache, updates, req.seq_len + part.numel())
             req.tokens = torch.cat([req.tokens, part])
+            hidden.append(run.hidden)
+        req.new_hidden = torch.cat(hidden) if hidden else None
         return req
 
     def verify(self, requests, trees) -> VerifyOutput:
@@ -230,8 +236,10 @@ class Engine:
             if req.seq_len + path.numel() >= self.limits.max_positions:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
             updates = commit_mod.commit_plan(self.model, req.cache, out.run.layers, b, rp, path)
-            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel()))
-        for req, updates, toks, bonus, n in staged:
+            hidden = out.run.hidden[rp.row_offset : rp.row_offset + rp.num_nodes][path.to(out.run.hidden.device)]
+            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden))
+        for req, updates, toks, bonus, n, hidden in staged:
             commit_mod.apply(req.cache, updates, req.seq_len + n)
             req.tokens = torch.cat([req.tokens, toks])
             req.root_token = int(bonus)
+            req.new_hidden = hidden

@@ -1,6 +1,7 @@
 """Drafters: produce one DraftTree per request."""
 from .base import Drafter, TreeShape
+from .mtp import MtpDrafter
 from .ngram import NgramDrafter
 from .planted import PlantedDrafter
 
-__all__ = ["Drafter", "NgramDrafter", "PlantedDrafter", "TreeShape"]
+__all__ = ["Drafter", "MtpDrafter", "NgramDrafter", "PlantedDrafter", "TreeShape"]

@@ -17,18 +17,34 @@ class RowsRun:
     logits: torch.Tensor  # [rows kept, vocab] (all T rows, or the requested subset)
     layers: list  # LayerRows per layer, for commit
     topk_ties: int  # indexer top-k boundary ties seen (tie rule decided them)
+    hidden: torch.Tensor  # [T, hc_mult, hidden] residual streams before hc_head (MTP input)
 
 
-def _rope(model, plan: VerifyPlan, emb: torch.Tensor) -> RowRope:
+def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
+    """cos/sin for every row and every branch entry's block start, once per verify."""
     rot = model.hf.model.rotary_emb
-    pos = plan.positions.to(emb.device).unsqueeze(0)
-    rows = {label: rot(emb, position_ids=pos, layer_type=label) for label in ("main", "compress")}
+    pos = plan.positions.to(like.device).unsqueeze(0)
+    rows = {label: rot(like, position_ids=pos, layer_type=label) for label in ("main", "compress")}
     blocks = {}
     for b, rp in enumerate(plan.requests):
         for m, cp in rp.compress.items():
-            start = (cp.blocks * m).to(emb.device).unsqueeze(0)
-            blocks[(b, m)] = rot(emb, position_ids=start, layer_type="compress")
+            start = (cp.blocks * m).to(like.device).unsqueeze(0)
+            blocks[(b, m)] = rot(like, position_ids=start, layer_type="compress")
     return RowRope(rows, blocks)
+
+
+def decoder_layer_rows(layer, h, plan: VerifyPlan, layer_caches, rope: RowRope, ops, ids):
+    """One DeepseekV4DecoderLayer (mHC, attention, MoE) over packed rows. h [1, T, hc, hidden]."""
+    dtype = h.dtype
+    post, comb, collapsed = layer.attn_hc(h)
+    attn_out, rows, ties = attention_rows(
+        layer.self_attn, layer.input_layernorm(collapsed), plan, layer_caches, rope, ops, apply_rotary_pos_emb
+    )
+    h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    post, comb, collapsed = layer.ffn_hc(h)
+    mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
+    h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    return h, rows, ties
 
 
 @torch.no_grad()
@@ -38,22 +54,14 @@ def run_rows(model, plan: VerifyPlan, caches, ops, logit_rows: torch.Tensor | No
     ids = plan.input_ids.to(model.device).unsqueeze(0)
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
-    rope = _rope(model, plan, emb)
+    rope = row_rope(model, plan, emb)
     layers, ties = [], 0
     for li, layer in enumerate(hf.layers):
-        dtype = h.dtype
-        post, comb, collapsed = layer.attn_hc(h)
-        attn_out, rows, n_ties = attention_rows(
-            layer.self_attn, layer.input_layernorm(collapsed), plan,
-            [c.layers[li] for c in caches], rope, ops, apply_rotary_pos_emb,
-        )
+        h, rows, n_ties = decoder_layer_rows(layer, h, plan, [c.layers[li] for c in caches], rope, ops, ids)
         layers.append(rows)
         ties += n_ties
-        h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
-        post, comb, collapsed = layer.ffn_hc(h)
-        mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
-        h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows.to(h.device)]
     logits = model.hf.lm_head(hf.norm(hf.hc_head(h)))[0]
-    return RowsRun(logits, layers, ties)
+    return RowsRun(logits, layers, ties, hidden)

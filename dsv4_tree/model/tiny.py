@@ -16,7 +16,7 @@ import torch
 
 from .hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
 
-TINY_NAME = "tiny-random-v1"
+TINY_NAME = "tiny-random-v2"
 TINY_SEED = 1234
 
 TINY_CONFIG = dict(
@@ -105,14 +105,36 @@ def random_model(config: DeepseekV4Config, seed: int = TINY_SEED) -> DeepseekV4F
     return model
 
 
-def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, seed: int = TINY_SEED) -> Path:
-    """Write a seeded random checkpoint (config.json + model.safetensors) to `directory`."""
+def random_mtp(config: DeepseekV4Config, seed: int = TINY_SEED):
+    """A seeded random MTP block for `config` (same value rules as the main weights)."""
+    from .mtp import MtpBlock
+
+    torch.manual_seed(seed + 1)
+    block = MtpBlock(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    named = dict(block.named_parameters())
+    named.update({n: b for n, b in block.named_buffers() if n.endswith("e_score_correction_bias")})
+    with torch.no_grad():
+        for name in sorted(named):
+            _fill(name, named[name], g, config.n_routed_experts)
+    return block
+
+
+def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, seed: int = TINY_SEED,
+                            with_mtp: bool = True) -> Path:
+    """Write a seeded random checkpoint (config.json + model.safetensors, with mtp.* tensors
+    in DeepSeek's naming unless with_mtp=False) to `directory`."""
+    from .mtp import add_mtp_to_checkpoint
+
     directory = Path(directory)
-    model = random_model(config or tiny_config(), seed)
+    config = config or tiny_config()
+    model = random_model(config, seed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
+        if with_mtp:
+            add_mtp_to_checkpoint(tmp, random_mtp(config, seed))
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)

@@ -1,0 +1,189 @@
+"""The DeepSeek-V4 MTP block (next-token predictor used as the draft model).
+
+One decoder layer with compress ratio 0 (sliding window only) and its own routed MoE, plus
+enorm / hnorm / e_proj / h_proj and its own hyper-connection head; it shares the main
+model's embedding and LM head. Input of the row at position p: e_proj(enorm(embed(x_p)))
+broadcast over the hc_mult streams plus h_proj(hnorm(h)), where h is the main model's
+residual streams (before hc_head) at position p-1 -- zeros at p = 0 -- or, for deeper draft
+rows, the MTP's own output streams of the parent row.
+
+Transformers drops `mtp.*` tensors on load; we read them from the checkpoint's safetensors
+in DeepSeek's naming (`mtp.0.<layer tensors as in layers.N>`, `mtp.0.enorm.weight`, ...)."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import CheckpointError
+from .hf_bindings import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4HyperHead,
+    DeepseekV4RMSNorm,
+)
+
+MTP_PREFIX = "mtp.0."
+
+# checkpoint sub-name -> module sub-name, applied in order (a naming table of our own)
+_RENAMES = [
+    (r"^attn_norm\.", "decoder.input_layernorm."),
+    (r"^ffn_norm\.", "decoder.post_attention_layernorm."),
+    (r"^hc_attn_(fn|base|scale)$", r"decoder.attn_hc.\1"),
+    (r"^hc_ffn_(fn|base|scale)$", r"decoder.ffn_hc.\1"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"),
+    (r"^hc_head_base$", "hc_head.hc_base"),
+    (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"^attn\.attn_sink$", "decoder.self_attn.sinks"),
+    (r"^attn\.wq_a\.", "decoder.self_attn.q_a_proj."),
+    (r"^attn\.wq_b\.", "decoder.self_attn.q_b_proj."),
+    (r"^attn\.q_norm\.", "decoder.self_attn.q_a_norm."),
+    (r"^attn\.wkv\.", "decoder.self_attn.kv_proj."),
+    (r"^attn\.norm\.", "decoder.self_attn.kv_norm."),
+    (r"^attn\.wo_a\.", "decoder.self_attn.o_a_proj."),
+    (r"^attn\.wo_b\.", "decoder.self_attn.o_b_proj."),
+    (r"^ffn\.gate\.weight$", "decoder.mlp.gate.weight"),
+    (r"^ffn\.gate\.bias$", "decoder.mlp.gate.e_score_correction_bias"),
+    (r"^ffn\.shared_experts\.w1\.", "decoder.mlp.shared_experts.gate_proj."),
+    (r"^ffn\.shared_experts\.w2\.", "decoder.mlp.shared_experts.down_proj."),
+    (r"^ffn\.shared_experts\.w3\.", "decoder.mlp.shared_experts.up_proj."),
+    (r"^(enorm|hnorm|e_proj|h_proj|norm)\.weight$", r"\1.weight"),
+]
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def mtp_config(config: DeepseekV4Config) -> DeepseekV4Config:
+    """The draft layer's config: one sliding-window layer (ratio 0) with a routed MoE."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = 1
+    cfg.layer_types = ["sliding_attention"]
+    cfg.mlp_layer_types = ["moe"]
+    return cfg
+
+
+class MtpBlock(nn.Module):
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        cfg = mtp_config(config)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = DeepseekV4RMSNorm(d, eps=eps)
+        self.hnorm = DeepseekV4RMSNorm(d, eps=eps)
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.decoder = DeepseekV4DecoderLayer(cfg, 0)
+        self.hc_head = DeepseekV4HyperHead(cfg)
+        self.norm = DeepseekV4RMSNorm(d, eps=eps)
+
+    def inputs(self, embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embed [T, d] (token embeddings), hidden [T, hc, d] -> layer input [1, T, hc, d]."""
+        e = self.e_proj(self.enorm(embed))
+        return (e.unsqueeze(1) + self.h_proj(self.hnorm(hidden))).unsqueeze(0)
+
+
+def rename(sub: str) -> str | None:
+    for pattern, target in _RENAMES:
+        if re.search(pattern, sub):
+            return re.sub(pattern, target, sub)
+    return None
+
+
+def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
+    """Checkpoint tensors named mtp.0.* -> MtpBlock state dict (experts stacked)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        sub = name[len(MTP_PREFIX) :]
+        m = _EXPERT.match(sub)
+        if m:
+            experts[(int(m.group(1)), m.group(2))] = t
+            continue
+        target = rename(sub)
+        if target is None:
+            raise CheckpointError(f"unrecognised MTP tensor {name!r}")
+        out[target] = t
+    n = config.n_routed_experts
+    missing = [(i, w) for i in range(n) for w in ("w1", "w2", "w3") if (i, w) not in experts]
+    if missing:
+        raise CheckpointError(f"MTP experts incomplete: missing {MTP_PREFIX}ffn.experts.{missing[0][0]}.{missing[0][1]}.weight")
+    out["decoder.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([experts[(i, "w1")], experts[(i, "w3")]], 0) for i in range(n)])
+    out["decoder.mlp.experts.down_proj"] = torch.stack([experts[(i, "w2")] for i in range(n)])
+    return out
+
+
+def to_checkpoint_names(block: MtpBlock) -> dict:
+    """Inverse of mtp_state_dict: MtpBlock weights in DeepSeek's checkpoint naming."""
+    inverse = {}
+    sd = {k: v.detach().clone().contiguous() for k, v in block.state_dict().items()}
+    probe = [
+        "attn_norm.weight", "ffn_norm.weight", "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn",
+        "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale", "attn.attn_sink",
+        "attn.wq_a.weight", "attn.wq_b.weight", "attn.q_norm.weight", "attn.wkv.weight", "attn.norm.weight",
+        "attn.wo_a.weight", "attn.wo_b.weight", "ffn.gate.weight", "ffn.gate.bias", "ffn.shared_experts.w1.weight",
+        "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight", "enorm.weight", "hnorm.weight",
+        "e_proj.weight", "h_proj.weight", "norm.weight",
+    ]
+    for sub in probe:
+        inverse[rename(sub)] = MTP_PREFIX + sub
+    out = {inverse[k]: v for k, v in sd.items() if k in inverse}
+    gate_up, down = sd["decoder.mlp.experts.gate_up_proj"], sd["decoder.mlp.experts.down_proj"]
+    half = gate_up.shape[1] // 2
+    for i in range(gate_up.shape[0]):
+        out[f"{MTP_PREFIX}ffn.experts.{i}.w1.weight"] = gate_up[i, :half].contiguous()
+        out[f"{MTP_PREFIX}ffn.experts.{i}.w3.weight"] = gate_up[i, half:].contiguous()
+        out[f"{MTP_PREFIX}ffn.experts.{i}.w2.weight"] = down[i].contiguous()
+    unused = set(sd) - set(inverse) - {"decoder.mlp.experts.gate_up_proj", "decoder.mlp.experts.down_proj"}
+    unused = {k for k in unused if not k.endswith(("inv_freq", "original_inv_freq"))}
+    if unused:
+        raise CheckpointError(f"MTP weights without a checkpoint name: {sorted(unused)}")
+    return out
+
+
+def read_mtp_tensors(directory: Path) -> dict:
+    tensors = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                if k.startswith(MTP_PREFIX):
+                    tensors[k] = fh.get_tensor(k)
+    return tensors
+
+
+def load_mtp(model) -> MtpBlock:
+    """The MTP block of a loaded model's checkpoint (reads its safetensors again)."""
+    if model.source is None:
+        raise CheckpointError("the model was not loaded from a checkpoint directory, so its mtp.* weights are unknown")
+    tensors = read_mtp_tensors(model.source)
+    if not tensors:
+        raise CheckpointError(
+            f"{model.source} has no MTP weights: no tensor named {MTP_PREFIX}* in its *.safetensors "
+            f"(config num_nextn_predict_layers={getattr(model.config, 'num_nextn_predict_layers', None)})"
+        )
+    block = MtpBlock(model.config)
+    sd = mtp_state_dict(tensors, model.config)
+    own = block.state_dict()
+    missing = sorted(k for k in own if k not in sd and not k.endswith("inv_freq"))
+    if missing:
+        raise CheckpointError(f"{model.source}: MTP weights missing for {missing[:3]} (and {max(0, len(missing) - 3)} more)")
+    for k, v in sd.items():
+        if own[k].shape != v.shape:
+            raise CheckpointError(f"MTP tensor for {k}: shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+    block.load_state_dict(sd, strict=False)
+    return block.to(device=model.device, dtype=model.dtype).eval()
+
+
+def add_mtp_to_checkpoint(directory: Path, block: MtpBlock) -> None:
+    """Append the block's tensors (DeepSeek naming) to directory/model.safetensors."""
+    path = Path(directory) / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors.update(to_checkpoint_names(block))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    cfg_path = Path(directory) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))

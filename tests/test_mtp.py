@@ -1,0 +1,127 @@
+"""The MTP drafter: loading mtp.* weights, EAGLE-2 trees, draft-extend, and exact greedy."""
+import functools
+
+import pytest
+import torch
+
+import dsv4_tree as dt
+from cases import prompt
+from dsv4_tree.drafters import MtpDrafter, TreeShape
+from dsv4_tree.model.mtp import load_mtp, mtp_state_dict, to_checkpoint_names
+from dsv4_tree.model.tiny import random_mtp, write_random_checkpoint
+from dsv4_tree.reference.mtp import mtp_reference_rows
+from test_generate import hf_greedy
+
+TOL = 1e-4  # fp32, rounding only (see design_notes/tolerances.md)
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_model(tmp_root="/tmp/dsv4_tree_test_mtp"):
+    cfg = dt.tiny_config(sliding_window=8, compress_rates={"heavily_compressed_attention": 16}, index_topk=3,
+                         max_position_embeddings=512)
+    return dt.load_model(write_random_checkpoint(f"{tmp_root}/with_mtp", cfg))
+
+
+def committed_inputs(req):
+    """MTP inputs of the committed rows: tokens x_0..x_{P-1}, streams [0, h_0 .. h_{P-2}]."""
+    h = req.new_hidden
+    return req.tokens, torch.cat([torch.zeros(1, *h.shape[1:]), h[:-1]])
+
+
+def test_chain_drafter_equals_step_by_step_mtp():
+    model = mtp_model()
+    eng = dt.Engine(model, dt.SpecConfig(num_steps=5))
+    drafter = MtpDrafter(model, TreeShape(1, 5, 6))
+    req = eng.prefill(prompt(23, 1))
+    tree = drafter.draft(eng, [req])[0]
+    assert tree.is_chain() and tree.num_nodes == 6
+    toks, hid = committed_inputs(req)
+    toks = torch.cat([toks, torch.tensor([req.root_token])])
+    hid = torch.cat([hid, req.new_hidden[-1:]])
+    expected = []
+    for _ in range(5):
+        logits, out = mtp_reference_rows(model, drafter.mtp, toks, hid)
+        nxt = int(logits[-1].argmax())
+        expected.append(nxt)
+        toks = torch.cat([toks, torch.tensor([nxt])])
+        hid = torch.cat([hid, out[-1:]])
+    assert tree.tokens[1:].tolist() == expected
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(2, 4, 8), (4, 3, 16), (3, 5, 12)])
+def test_draft_tree_shape_and_per_path_mtp_rows(topk, steps, nodes):
+    model = mtp_model()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+    drafter = MtpDrafter(model, TreeShape(topk, steps, nodes))
+    req = eng.prefill(prompt(17 + topk, topk))
+    tree = drafter.draft(eng, [req])[0]
+    assert tree.num_nodes == nodes and tree.max_depth <= steps and int(tree.tokens[0]) == req.root_token
+    assert max(len(tree.children(i)) for i in range(nodes)) <= topk
+    # every MTP row of the expansion equals a standalone run of committed rows ++ its path
+    st, rows, dtree = drafter.states[req.request_id], drafter.last_rows, drafter.last_draft_tree
+    toks0, hid0 = committed_inputs(req)
+    for i in range(dtree.num_nodes):
+        path = dtree.path[i][dtree.path[i] >= 0]
+        hin = [st.prev_hidden] + [rows.hidden[int(dtree.parents[j])] for j in path[1:]]
+        logits, out = mtp_reference_rows(model, drafter.mtp, torch.cat([toks0, dtree.tokens[path]]),
+                                         torch.cat([hid0, torch.stack(hin)]))
+        err = float((logits[-1] - rows.logits[i]).abs().max() / logits[-1].abs().max())
+        assert err < TOL, f"{topk=} {steps=} node {i}: {err:.2e}"
+        assert torch.allclose(out[-1], rows.hidden[i], atol=1e-4)
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(1, 4, 5), (4, 4, 16)])
+def test_greedy_with_mtp_equals_hf_greedy(topk, steps, nodes):
+    model = mtp_model()
+    ids = prompt(12, 5).repeat(2)
+    want = hf_greedy(model, ids, 40)
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+    drafter = MtpDrafter(model, TreeShape(topk, steps, nodes))
+    res = eng.generate(ids, 40, drafter=drafter, progress=False)
+    assert res.tokens == want
+
+
+def test_draft_extend_tracks_commits():
+    """After rounds of verify/commit, the draft layer's state equals one built from scratch."""
+    model = mtp_model()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
+    drafter = MtpDrafter(model, TreeShape(2, 3, 6))
+    req = eng.prefill(prompt(15, 9))
+    for _ in range(4):
+        tree = drafter.draft(eng, [req])[0]
+        out = eng.verify([req], [tree])
+        # accept the deepest path so several rows are committed each round
+        leaf = int(tree.leaves[torch.argmax(tree.depth[tree.leaves])])
+        path = tree.path[leaf][tree.path[leaf] >= 0]
+        eng.commit([req], [dt.Acceptance(tuple(path.tolist()), 7, req.request_id, out.verify_id)], out)
+    drafter.sync(req)
+    fresh = eng.prefill(torch.cat([req.tokens, torch.tensor([req.root_token])]))
+    fresh_drafter = MtpDrafter(model, TreeShape(2, 3, 6), mtp=drafter.mtp)
+    fresh_drafter.sync(fresh)
+    a, b = drafter.states[req.request_id], fresh_drafter.states[fresh.request_id]
+    assert a.cache.seq_len == b.cache.seq_len == req.seq_len
+    assert torch.allclose(a.prev_hidden, b.prev_hidden, atol=1e-4)
+    assert torch.allclose(a.cache.layers[0].window, b.cache.layers[0].window, atol=1e-4)
+
+
+def test_checkpoint_without_mtp_is_a_clear_error(tmp_path):
+    cfg = dt.tiny_config(max_position_embeddings=512)
+    model = dt.load_model(write_random_checkpoint(tmp_path / "no_mtp", cfg, with_mtp=False))
+    with pytest.raises(dt.CheckpointError, match=r"no MTP weights: no tensor named mtp\.0\.\*"):
+        load_mtp(model)
+    with pytest.raises(dt.CheckpointError, match="not loaded from a checkpoint directory"):
+        load_mtp(dt.load_model(model.hf))
+
+
+def test_mtp_naming_round_trip_and_tiny_has_mtp():
+    cfg = dt.tiny_config()
+    block = random_mtp(cfg, 3)
+    names = to_checkpoint_names(block)
+    assert "mtp.0.e_proj.weight" in names and "mtp.0.ffn.experts.0.w1.weight" in names
+    assert "mtp.0.attn.attn_sink" in names and "mtp.0.hc_head_fn" in names
+    back = mtp_state_dict(names, cfg)
+    own = block.state_dict()
+    for k, v in back.items():
+        assert torch.equal(own[k], v), k
+    tiny = dt.load_model(dt.tiny_checkpoint())
+    assert isinstance(load_mtp(tiny), torch.nn.Module)
