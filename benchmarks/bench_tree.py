@@ -11,22 +11,7 @@ import time
 import torch
 
 from dsv4_tree.tree import TreeMaskMode, build_tree, organize_draft_results, verify_tree_greedy
-
-
-def eagle_inputs(bs, k, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    scores = [torch.rand(bs, 1, k, generator=g)]
-    tokens = [torch.randint(0, 1000, (bs, k), generator=g)]
-    parents = [torch.cat([torch.full((bs, 1), -1), torch.arange(k).expand(bs, k)], 1)]
-    frontier = scores[0].reshape(bs, k)
-    for i in range(1, steps):
-        s = frontier.unsqueeze(-1) * torch.softmax(torch.randn(bs, k, k, generator=g), -1)
-        scores.append(s)
-        tokens.append(torch.randint(0, 1000, (bs, k * k), generator=g))
-        top = s.reshape(bs, -1).topk(k, -1).indices
-        frontier = s.reshape(bs, -1).gather(1, top)
-        parents.append(top + k * k * (i - 1) + k)
-    return scores, tokens, parents
+from dsv4_tree.tree.simulate import simulated_eagle_draft
 
 
 def median_ms(fn, reps):
@@ -54,7 +39,7 @@ def main(argv=None):
     print(f"{'bs':>4} {'N':>4} {'organize_ms':>11} {'build_ms':>9} {'greedy_ms':>9} {'total_ms':>9}")
     for bs in bss:
         for n in ns:
-            s, t, p = eagle_inputs(bs, k, steps)
+            s, t, p = simulated_eagle_draft(bs, k, steps)
             org = organize_draft_results(s, t, p, n)
             seq = torch.full((bs,), 1000)
             bonus = torch.zeros(bs, dtype=torch.long)

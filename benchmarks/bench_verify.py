@@ -22,6 +22,7 @@ from dsv4_tree.cache.synth import synthetic_cache
 from dsv4_tree.engine import Request
 from dsv4_tree.model.tiny import random_model
 from dsv4_tree.tree import TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees
+from dsv4_tree.tree.simulate import simulated_eagle_draft
 
 FLASH_ATTENTION = dict(
     vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
@@ -49,18 +50,7 @@ def eagle_tree(root: int, n: int, topk: int = 4, seed: int = 0):
     steps = 2
     while topk + (steps - 1) * topk * topk < n - 1:
         steps += 1
-    g = torch.Generator().manual_seed(seed)
-    scores = [torch.rand(1, 1, topk, generator=g)]
-    tokens = [torch.randint(2, 1000, (1, topk), generator=g)]
-    parents = [torch.cat([torch.tensor([[-1]]), torch.arange(topk).view(1, -1)], 1)]
-    frontier = scores[0].reshape(1, topk)
-    for i in range(1, steps):
-        s = frontier.unsqueeze(-1) * torch.softmax(torch.randn(1, topk, topk, generator=g) * 2, -1)
-        scores.append(s)
-        tokens.append(torch.randint(2, 1000, (1, topk * topk), generator=g))
-        top = s.reshape(1, -1).topk(topk, -1).indices
-        frontier = s.reshape(1, -1).gather(1, top)
-        parents.append(top + topk * topk * (i - 1) + topk)
+    scores, tokens, parents = simulated_eagle_draft(1, topk, steps, seed, sharpness=2.0)
     org = organize_draft_results(scores, tokens, parents, n)
     built = build_tree(torch.tensor([root]), org.parent_list, org.top_scores_index, org.draft_tokens,
                        torch.tensor([0]), topk, steps, n, TreeMaskMode.QLEN_ONLY)

@@ -4,7 +4,7 @@ from .config import SpecConfig
 from .engine import Engine, Request, VerifyOutput
 from .errors import CheckpointError, ConfigError, Dsv4TreeError, InputError, StateError, TreeError
 from .hooks import validate_spec
-from .model import Model, load_model, tiny_checkpoint, tiny_config
+from .model import Model, load_model, tiny_checkpoint, tiny_config, trained_checkpoint
 from .tree import DraftTree
 from .verify import Acceptance
 
@@ -13,5 +13,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
     "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "load_model", "reference",
-    "tiny_checkpoint", "tiny_config", "tree", "validate_spec",
+    "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]

@@ -13,7 +13,7 @@ from .drafters import MtpDrafter, NgramDrafter, PlantedDrafter, TreeShape
 from .engine import Engine
 from .errors import Dsv4TreeError
 from .model.adapter import load_model
-from .model.tiny import tiny_checkpoint
+from .model.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
 
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
@@ -21,7 +21,8 @@ REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory (HF layout: config.json + *.safetensors); default: the embedded tiny one")
+                   help="checkpoint directory (HF layout: config.json + *.safetensors); default: the shipped "
+                        "trained byte-level checkpoint (dsv4_tree/checkpoints/tiny-stdlib-bytes)")
     p.add_argument("--spec", default=None, help="SpecConfig TOML preset (configs/*.toml); flags below override it")
     p.add_argument("--topk", type=int, default=None, help="eagle_topk: children per draft node; >1 drafts trees")
     p.add_argument("--num-steps", type=int, default=None, help="num_steps: maximum draft depth")
@@ -50,7 +51,33 @@ def _load(args):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    return load_model(args.checkpoint or tiny_checkpoint())
+    return load_model(args.checkpoint or trained_checkpoint())
+
+
+def _is_bytes(model) -> bool:
+    from .train.corpus import VOCAB
+
+    return model.vocab_size == VOCAB
+
+
+def _prompt(model, length: int, seed: int, text: str | None = None) -> list:
+    """Byte-level models: held-out stdlib source (or `text`); others: seeded random ids."""
+    from .train.corpus import encode, heldout_prompt
+
+    if _is_bytes(model):
+        return encode(text) if text is not None else heldout_prompt(length, seed)
+    if text is not None:
+        raise Dsv4TreeError("--prompt-text needs a byte-level checkpoint")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, model.vocab_size, (length,), generator=g).tolist()
+
+
+def _drafter(kind: str, model, shape, args):
+    if kind == "mtp":
+        return MtpDrafter(model, shape)
+    if kind == "ngram":
+        return NgramDrafter(shape)
+    return PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
 
 
 def cmd_demo(args) -> int:
@@ -58,13 +85,14 @@ def cmd_demo(args) -> int:
     engine = Engine(model, _spec(args))
     spec = engine.spec
     shape = TreeShape.from_spec(spec)
-    drafter = PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(2, model.vocab_size, (args.prompt_len,), generator=g)
+    drafter = _drafter(args.drafter, model, shape, args)
+    prompt = torch.tensor(_prompt(model, args.prompt_len, args.seed, args.prompt_text))
     req = engine.prefill(prompt)
+    what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
+            "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
-          f"num_draft_tokens={spec.num_draft_tokens} | prompt {args.prompt_len} tokens | drafter: planted "
-          f"(synthetic: target greedy continuation among random siblings, corrupt={args.corrupt})")
+          f"num_draft_tokens={spec.num_draft_tokens} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
+          f"({what[args.drafter]})")
     print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9}")
     worst, emitted, t_verify = 0.0, 0, 0.0
     for rnd in range(args.rounds):
@@ -82,6 +110,10 @@ def cmd_demo(args) -> int:
         emitted += acc.num_accepted + 1
         print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {acc.num_accepted:>8} {err:>10.2e} "
               f"{1000 * dt_verify:>9.1f}")
+    if _is_bytes(model):
+        from .train.corpus import decode
+
+        print("continuation: " + repr(decode(req.tokens[prompt.numel() - 1 :].tolist() + [req.root_token])))
     ok = worst <= REL_ERR_BOUND
     print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
           f"worst relative error vs per-path reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): "
@@ -93,18 +125,11 @@ def cmd_generate(args) -> int:
     model = _load(args)
     engine = Engine(model, _spec(args))
     shape = TreeShape.from_spec(engine.spec)
-    if args.drafter == "ngram":
-        drafter = NgramDrafter(shape)
-    elif args.drafter == "mtp":
-        drafter = MtpDrafter(model, shape)
-    else:
-        drafter = PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
+    drafter = _drafter(args.drafter, model, shape, args)
     if args.prompt is not None:
         prompt = [int(t) for t in args.prompt.split(",")]
     else:
-        g = torch.Generator().manual_seed(args.seed)
-        base = torch.randint(2, model.vocab_size, (max(1, args.prompt_len // 4),), generator=g)
-        prompt = base.repeat(4)[: args.prompt_len].tolist()  # repetitive, so n-gram lookup finds matches
+        prompt = _prompt(model, args.prompt_len, args.seed, args.prompt_text)
     gen = torch.Generator().manual_seed(args.seed)
     res = engine.generate(prompt, args.max_new_tokens, drafter=drafter, temperature=args.temperature,
                           top_p=args.top_p, eos_token_id=args.eos, generator=gen)
@@ -112,8 +137,25 @@ def cmd_generate(args) -> int:
     print(f"generated {len(res.tokens)} tokens in {st.rounds} verifies: "
           f"{st.mean_tokens_per_verify:.3f} tokens/verify, verify time {st.verify_seconds:.2f} s")
     print(f"accept-length histogram: {st.histogram}")
+    if _is_bytes(model):
+        from .train.corpus import decode
+
+        print("text: " + repr(decode(res.tokens)))
     print(json.dumps({"tokens": res.tokens, "mean_tokens_per_verify": st.mean_tokens_per_verify,
                       "rounds": st.rounds, "histogram": st.histogram}))
+    return 0
+
+
+def cmd_train_tiny(args) -> int:
+    from pathlib import Path
+
+    from .train import TrainConfig, train
+
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                      eval_every=args.eval_every, max_files=args.max_files)
+    hist = train(cfg, Path(args.out), log=lambda m: print(m, flush=True))
+    print(json.dumps({"out": args.out, "final_train_bpb": hist["train_bpb"][-1],
+                      "final_val_bpb": hist["val_bpb"][-1] if hist["val_bpb"] else None}))
     return 0
 
 
@@ -122,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="prefill, run verify rounds, check every round against per-path HF runs")
     _spec_args(d)
-    d.add_argument("--prompt-len", type=int, default=150, help="random prompt length (tokens)")
+    d.add_argument("--prompt-len", type=int, default=150,
+                   help="prompt length: held-out stdlib bytes for byte-level checkpoints, random ids otherwise")
+    d.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
+    d.add_argument("--drafter", choices=("mtp", "ngram", "planted"), default="mtp",
+                   help="mtp: the checkpoint's MTP block; ngram: prompt lookup; planted: synthetic test drafter")
     d.add_argument("--rounds", type=int, default=8, help="verify rounds to run")
     d.add_argument("--corrupt", type=float, default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
@@ -134,12 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
     g.add_argument("--prompt-len", type=int, default=64, help="length of the default prompt")
+    g.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy acceptance; >0: lossless sampling")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling")
     g.add_argument("--eos", type=int, default=None, help="stop after this token id")
     g.add_argument("--corrupt", type=float, default=0.25, help="planted drafter: corruption probability")
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("train-tiny", help="train the small byte-level DeepSeek-V4 + MTP on the stdlib sources (CPU)")
+    t.add_argument("--out", required=True, help="output checkpoint directory (HF layout + mtp.* + training.json)")
+    t.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    t.add_argument("--batch", type=int, default=8, help="sequences per step")
+    t.add_argument("--seq-len", type=int, default=384, help="bytes per sequence (several times 128)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine decay)")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    t.add_argument("--eval-every", type=int, default=250, help="validation interval (steps)")
+    t.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (smoke runs)")
+    t.set_defaults(func=cmd_train_tiny)
     return ap
 
 

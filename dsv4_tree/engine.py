@@ -31,8 +31,9 @@ class Request:
     root_token: int
     cache: RequestCache = field(repr=False)
     request_id: int = field(default_factory=lambda: next(_ids))
-    # target residual streams (before hc_head) of the rows the last prefill/commit added,
-    # positions seq_len - n .. seq_len - 1: what an MTP drafter extends its own cache with
+    # target residual streams (before hc_head) of the last rows the latest prefill/commit added
+    # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
+    # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
 
     @property
@@ -65,6 +66,7 @@ class Engine:
         self.limits = validate_spec(self.model.config, self.spec)
         self.ops = get_backend(self.spec.attention_backend)
         self._verify_ids = itertools.count(1)
+        self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
 
     # ---------------------------------------------------------------- validation
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -133,11 +135,16 @@ class Engine:
     # ---------------------------------------------------------------- steps
     def _run(self, requests, trees, logit_rows=None):
         plan = build_plan(trees, [r.seq_len for r in requests], self.model.window, self.model.ratios)
+        plan = plan.to(self.model.device)
         run = run_rows(self.model, plan, [r.cache for r in requests], self.ops, logit_rows)
         return plan, run
 
-    def prefill(self, prompt_ids) -> Request:
-        """Commit prompt[:-1] (KV-ready) and leave prompt[-1] as the pending root token."""
+    def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
+        """Commit prompt[:-1] (KV-ready) and leave prompt[-1] as the pending root token.
+
+        hidden_rows: how many of the last rows' target streams to keep in Request.new_hidden
+        (default sliding_window + 1, all a sliding-window draft layer can use)."""
+        keep = self.model.window + 1 if hidden_rows is None else hidden_rows
         ids = self._as_prompt(prompt_ids)
         req = Request(ids[:0].clone(), int(ids[-1]), self.model.new_cache())
         body = ids[:-1]
@@ -152,7 +159,9 @@ class Engine:
             commit_mod.apply(req.cache, updates, req.seq_len + part.numel())
             req.tokens = torch.cat([req.tokens, part])
             hidden.append(run.hidden)
-        req.new_hidden = torch.cat(hidden) if hidden else None
+            if sum(h.shape[0] for h in hidden) > keep:  # bounded: at most keep + one chunk
+                hidden = [torch.cat(hidden)[-keep:]]
+        req.new_hidden = torch.cat(hidden)[-keep:] if hidden else None
         return req
 
     def verify(self, requests, trees) -> VerifyOutput:
@@ -237,7 +246,7 @@ class Engine:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
             updates = commit_mod.commit_plan(self.model, req.cache, out.run.layers, b, rp, path)
             hidden = out.run.hidden[rp.row_offset : rp.row_offset + rp.num_nodes][path.to(out.run.hidden.device)]
-            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden))
+            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
         for req, updates, toks, bonus, n, hidden in staged:
             commit_mod.apply(req.cache, updates, req.seq_len + n)
             req.tokens = torch.cat([req.tokens, toks])

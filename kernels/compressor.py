@@ -23,7 +23,8 @@ def _pool_norm_kernel(kv_ptr, gate_ptr, w_ptr, out_ptr, R, D, eps,
     kv = tl.load(kv_ptr + base, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + base, mask=mask, other=float("-inf")).to(tl.float32)
     gmax = tl.max(gate, axis=0)
-    p = tl.exp(tl.where(gate == float("-inf"), float("-inf"), gate - gmax[None, :]))
+    gmax = tl.where(gmax == float("-inf"), 0.0, gmax)  # padding channels: keep arithmetic finite
+    p = tl.exp(gate - gmax[None, :])
     pooled = tl.sum(p * kv, axis=0) / tl.sum(p, axis=0)
     pooled = tl.where(rd < D, pooled, 0.0)
     var = tl.sum(pooled * pooled, axis=0) / D

@@ -17,6 +17,17 @@ from ._launch import FLOATS, INDEX, check, check_device, pow2
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, logits, kv):
+    """Fold one tile of logits [BM, BK] (-inf = masked) and its K=V rows [BK, BD] in."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    # subtract a finite max so no lane forms -inf - -inf; rows with no key yet have l = acc = 0
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(logits - m_ref[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, kv)
+
+
+@triton.jit
 def _dense_partial_kernel(q_ptr, kv_ptr, m_ptr, l_ptr, acc_ptr, M, S, D, scale,
                           BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
@@ -31,15 +42,8 @@ def _dense_partial_kernel(q_ptr, kv_ptr, m_ptr, l_ptr, acc_ptr, M, S, D, scale,
         rs = s0 + tl.arange(0, BS)
         kv = tl.load(kv_ptr + rs[:, None] * D + rd[None, :], mask=(rs[:, None] < S) & (rd[None, :] < D), other=0.0)
         kv = kv.to(tl.float32)
-        logits = tl.dot(q, tl.trans(kv)) * scale
-        logits = tl.where(rs[None, :] < S, logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        # masked lanes never form -inf - -inf: rows with no key yet keep alpha = 1, l = 0
-        alpha = tl.exp(tl.where(m_new == float("-inf"), 0.0, m_i - m_new))
-        p = tl.exp(tl.where(logits == float("-inf"), float("-inf"), logits - m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv)
-        m_i = m_new
+        logits = tl.where(rs[None, :] < S, tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
     ok = rm < M
     tl.store(m_ptr + rm, m_i, mask=ok)
     tl.store(l_ptr + rm, l_i, mask=ok)
@@ -65,15 +69,8 @@ def _gather_partial_kernel(q_ptr, kv_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr, H, K, 
         ok = idx >= 0
         kv = tl.load(kv_ptr + tl.where(ok, idx, 0)[:, None] * D + rd[None, :],
                      mask=ok[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
-        logits = tl.dot(q, tl.trans(kv)) * scale
-        logits = tl.where(ok[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        # masked lanes never form -inf - -inf: rows with no key yet keep alpha = 1, l = 0
-        alpha = tl.exp(tl.where(m_new == float("-inf"), 0.0, m_i - m_new))
-        p = tl.exp(tl.where(logits == float("-inf"), float("-inf"), logits - m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv)
-        m_i = m_new
+        logits = tl.where(ok[None, :], tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
     base = n * H + rh
     tl.store(m_ptr + base, m_i, mask=hmask)
     tl.store(l_ptr + base, l_i, mask=hmask)

@@ -7,17 +7,26 @@ from dsv4_tree.cli import main
 
 
 def test_demo_chain_and_tree(capsys):
+    """Default: the shipped trained checkpoint with its MTP drafter."""
     assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
     out = capsys.readouterr().out
-    assert "rel_err" in out and "PASS" in out
+    assert "rel_err" in out and "PASS" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
     assert main(["demo", "--rounds", "2", "--prompt-len", "30", "--topk", "3", "--num-steps", "4",
                  "--num-draft-tokens", "10"]) == 0
     out = capsys.readouterr().out
     assert "topk=3 num_steps=4 num_draft_tokens=10" in out and "PASS" in out
 
 
+def test_demo_on_random_checkpoint_with_planted_drafter(capsys):
+    import dsv4_tree as dt
+
+    assert main(["demo", "--checkpoint", str(dt.tiny_checkpoint()), "--drafter", "planted", "--rounds", "2",
+                 "--prompt-len", "30", "--topk", "2", "--num-steps", "3"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
 def test_generate_prints_stats_and_json(capsys):
-    assert main(["generate", "--max-new-tokens", "12", "--topk", "2", "--num-steps", "3"]) == 0
+    assert main(["generate", "--max-new-tokens", "12", "--topk", "2", "--num-steps", "3", "--drafter", "mtp"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     data = json.loads(last)
     assert len(data["tokens"]) == 12 and data["rounds"] >= 1

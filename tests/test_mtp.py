@@ -32,7 +32,7 @@ def test_chain_drafter_equals_step_by_step_mtp():
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(num_steps=5))
     drafter = MtpDrafter(model, TreeShape(1, 5, 6))
-    req = eng.prefill(prompt(23, 1))
+    req = eng.prefill(prompt(23, 1), hidden_rows=10**6)  # keep every row's streams for the reference
     tree = drafter.draft(eng, [req])[0]
     assert tree.is_chain() and tree.num_nodes == 6
     toks, hid = committed_inputs(req)
@@ -53,7 +53,7 @@ def test_draft_tree_shape_and_per_path_mtp_rows(topk, steps, nodes):
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
     drafter = MtpDrafter(model, TreeShape(topk, steps, nodes))
-    req = eng.prefill(prompt(17 + topk, topk))
+    req = eng.prefill(prompt(17 + topk, topk), hidden_rows=10**6)
     tree = drafter.draft(eng, [req])[0]
     assert tree.num_nodes == nodes and tree.max_depth <= steps and int(tree.tokens[0]) == req.root_token
     assert max(len(tree.children(i)) for i in range(nodes)) <= topk

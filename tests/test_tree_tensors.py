@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_tree as dt
+from dsv4_tree.tree.simulate import simulated_eagle_draft
 from dsv4_tree.tree import (
     TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees, trees_to_tensors, unpack_bits,
     verify_tree_greedy,
@@ -14,21 +15,8 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 def eagle_draft(bs, k, steps, seed):
-    """Simulate an EAGLE expansion: cumulative scores are products of probabilities <= 1."""
-    g = torch.Generator().manual_seed(seed)
-    scores = [torch.rand(bs, 1, k, generator=g)]
-    tokens = [torch.randint(0, 50, (bs, k), generator=g)]
-    parents = [torch.cat([torch.full((bs, 1), -1), torch.arange(k).expand(bs, k)], 1)]
-    frontier = scores[0].reshape(bs, k)
-    for i in range(1, steps):
-        probs = torch.softmax(torch.randn(bs, k, k, generator=g), -1)
-        s = frontier.unsqueeze(-1) * probs
-        scores.append(s)
-        tokens.append(torch.randint(0, 50, (bs, k * k), generator=g))
-        top = s.reshape(bs, -1).topk(k, dim=-1).indices
-        frontier = s.reshape(bs, -1).gather(1, top)
-        parents.append(top + k * k * (i - 1) + k)
-    return scores, tokens, parents
+    """Simulated EAGLE expansion: cumulative scores are products of probabilities <= 1."""
+    return simulated_eagle_draft(bs, k, steps, seed, vocab=50)
 
 
 @st.composite

@@ -39,6 +39,13 @@ class RowRope:
     blocks: dict  # (request index, ratio) -> (cos, sin) [1, E, rope_dim/2]
 
 
+def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
+    """The K=V rows (kv_norm, RoPE) a layer stores for inputs x [1, T, hidden]. -> [T, head_dim]"""
+    t, d = x.shape[1], attn.head_dim
+    kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
+    return apply_rope(kv, cos, sin)[0, 0]
+
+
 def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, apply_rope):
     """x [1, T, hidden] -> (output [1, T, hidden], LayerRows, top-k boundary ties)."""
     t = plan.num_rows
@@ -47,8 +54,7 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
     q_res = attn.q_a_norm(attn.q_a_proj(x))
     q = attn.q_b_norm(attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
     q = apply_rope(q, cos, sin)[0].transpose(0, 1)  # [T, H, d]
-    kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
-    kv = apply_rope(kv, cos, sin)[0, 0]  # [T, d]
+    kv = kv_rows(attn, x, cos, sin, apply_rope)  # [T, d]
     comp = attn.compressor
     main = index = None
     iq = iw = None

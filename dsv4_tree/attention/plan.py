@@ -6,11 +6,25 @@ source rows come from (committed buffer / stored overlap / path rows) and which 
 entries each row may see. Nothing here depends on a layer's weights."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..tree.draft_tree import DraftTree
+
+
+def _to(obj, device):
+    """Copy of a plan dataclass with every tensor field on `device` (trees stay on the host)."""
+    changes = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = v.to(device)
+        elif isinstance(v, dict):
+            changes[f.name] = {k: _to(x, device) for k, x in v.items()}
+        elif isinstance(v, tuple) and v and hasattr(v[0], "__dataclass_fields__"):
+            changes[f.name] = tuple(_to(x, device) for x in v)
+    return replace(obj, **changes)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,10 @@ class VerifyPlan:
     positions: torch.Tensor  # [T] packed row positions
     input_ids: torch.Tensor  # [T] packed row tokens
     num_rows: int  # T
+
+    def to(self, device) -> "VerifyPlan":
+        """The plan with its index tensors on the model's device (one copy per verify)."""
+        return self if torch.device(device).type == "cpu" else _to(self, device)
 
 
 def _table_rows(q: torch.Tensor, seq_len: int, base: int, committed_offset: int, path: torch.Tensor, rows: torch.Tensor):

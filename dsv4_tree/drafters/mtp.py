@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.backend import get_backend
+from ..attention.layer import kv_rows
 from ..attention.plan import build_plan
 from ..cache.state import LayerCache, RequestCache
 from ..errors import StateError
 from ..model.forward import decoder_layer_rows, row_rope
+from ..model.hf_bindings import apply_rotary_pos_emb
 from ..model.mtp import MtpBlock, load_mtp
 from ..tree.build import build_tree, organize_draft_results
 from ..tree.convert import tensors_to_trees
@@ -74,22 +76,35 @@ class MtpDrafter:
 
     @torch.no_grad()
     def sync(self, req) -> None:
-        """Extend the draft layer's cache over rows the target committed since the last sync."""
+        """Extend the draft layer's cache over rows the target committed since the last sync.
+
+        A row's K=V depends only on its own input, and the layer keeps a sliding window, so
+        only the last `window` new rows are computed (from the last window + 1 target streams)."""
         st = self._state(req)
         new = req.seq_len - st.cache.seq_len
         if new == 0:
             return
-        if req.new_hidden is None or req.new_hidden.shape[0] != new:
+        w = self.model.window
+        need = min(new, w + 1)
+        if req.new_hidden is None or req.new_hidden.shape[0] < need or new < 0:
             have = None if req.new_hidden is None else req.new_hidden.shape[0]
             raise StateError(f"MTP drafter is {new} rows behind request {req.request_id} but the request carries "
                              f"hidden states for {have}; call draft() after every prefill and commit")
-        p0 = st.cache.seq_len
-        toks = req.tokens[p0 : req.seq_len]
-        hid = torch.cat([st.prev_hidden.unsqueeze(0), req.new_hidden[:-1]])
-        rows = self.run([DraftTree.chain(toks)], [st.cache], hid)
-        st.cache.layers[0].window = torch.cat([st.cache.layers[0].window, rows.raw])[-self.model.window :].clone()
+        first = max(st.cache.seq_len, req.seq_len - w)  # first row to compute
+        streams = req.new_hidden[-need:]  # positions seq_len - need .. seq_len - 1
+        base = req.seq_len - need
+        prev = [st.prev_hidden.unsqueeze(0)] if first == st.cache.seq_len else []
+        hid = torch.cat(prev + [streams[max(0, first - 1 - base) : need - 1]])
+        positions = torch.arange(first, req.seq_len, device=self.model.device)
+        ids = req.tokens[first : req.seq_len].to(self.model.device)
+        emb = self.model.hf.model.embed_tokens(ids.unsqueeze(0))
+        _, _, collapsed = self.mtp.decoder.attn_hc(self.mtp.inputs(emb[0], hid))
+        cos, sin = self.model.hf.model.rotary_emb(emb, position_ids=positions.unsqueeze(0), layer_type="main")
+        attn = self.mtp.decoder.self_attn
+        raw = kv_rows(attn, self.mtp.decoder.input_layernorm(collapsed), cos, sin, apply_rotary_pos_emb)
+        st.cache.layers[0].window = torch.cat([st.cache.layers[0].window, raw])[-w:].clone()
         st.cache.seq_len = req.seq_len
-        st.prev_hidden = req.new_hidden[-1].clone()
+        st.prev_hidden = streams[-1].clone()
 
     # ------------------------------------------------------------ EAGLE-2 expansion
     @torch.no_grad()

@@ -154,3 +154,16 @@ def tiny_checkpoint(directory=None) -> Path:
     if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
         write_random_checkpoint(directory)
     return directory
+
+
+TRAINED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-stdlib-bytes"
+
+
+def trained_checkpoint() -> Path:
+    """Directory of the shipped trained byte-level checkpoint (with MTP weights); the default
+    of the demo and `generate`. Tests use the random `tiny_checkpoint()`."""
+    if not (TRAINED_DIR / "config.json").is_file():
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"the trained checkpoint is missing from {TRAINED_DIR} (a damaged install?)")
+    return TRAINED_DIR

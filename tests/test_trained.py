@@ -1,0 +1,50 @@
+"""The shipped trained byte-level checkpoint and the training script."""
+import json
+import math
+
+import torch
+from transformers import DeepseekV4ForCausalLM
+
+import dsv4_tree as dt
+from dsv4_tree.drafters import MtpDrafter, TreeShape
+from dsv4_tree.model.mtp import load_mtp
+from dsv4_tree.train import TrainConfig, train
+from dsv4_tree.train.corpus import heldout_prompt
+from test_generate import hf_greedy
+
+
+def test_shipped_checkpoint_loads_identically_both_ways():
+    path = dt.trained_checkpoint()
+    ours = dt.load_model(path)
+    plain = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor([heldout_prompt(200, 3)])
+    with torch.no_grad():
+        assert torch.equal(ours.hf(ids, use_cache=False).logits, plain(ids, use_cache=False).logits)
+    assert ours.config.layer_types.count("heavily_compressed_attention") >= 1
+    assert ours.config.compress_rates["heavily_compressed_attention"] == 128
+    assert isinstance(load_mtp(ours), torch.nn.Module)
+    meta = json.loads((path / "training.json").read_text())
+    assert meta["final_val_bpb"] < 4.0, "the shipped model should have learned something"
+    assert (path / "loss_curve.png").is_file() and (path / "README.md").is_file()
+
+
+def test_greedy_with_mtp_on_trained_checkpoint_equals_plain_greedy():
+    model = dt.load_model(dt.trained_checkpoint())
+    ids = torch.tensor(heldout_prompt(160, 1))
+    want = hf_greedy(model, ids, 24)
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
+    res = eng.generate(ids, 24, drafter=MtpDrafter(model, TreeShape(2, 3, 6)), progress=False)
+    assert res.tokens == want
+    assert res.stats.mean_tokens_per_verify > 1.0  # trained MTP drafts get accepted
+
+
+def test_training_script_runs_and_loss_decreases(tmp_path):
+    cfg = TrainConfig(steps=12, batch=2, seq_len=130, lr=3e-3, warmup=2, eval_every=6, eval_batches=1, max_files=4,
+                      save_every=100)
+    hist = train(cfg, tmp_path / "ck", log=lambda m: None)
+    first, last = sum(hist["train_bpb"][:3]) / 3, sum(hist["train_bpb"][-3:]) / 3
+    assert last < first - 0.2, f"train loss did not drop: {first:.3f} -> {last:.3f}"
+    assert hist["val_bpb"][-1] < hist["val_bpb"][0]
+    model = dt.load_model(tmp_path / "ck")
+    assert math.isfinite(float(model.hf.lm_head.weight.detach().float().sum()))
+    assert load_mtp(model) is not None
