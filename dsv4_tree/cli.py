@@ -93,7 +93,7 @@ def cmd_demo(args) -> int:
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
           f"num_draft_tokens={spec.num_draft_tokens} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
           f"({what[args.drafter]})")
-    print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9}")
+    print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9} {'ties':>4}")
     worst, emitted, t_verify = 0.0, 0, 0.0
     for rnd in range(args.rounds):
         tree = drafter.draft(engine, [req])[0]
@@ -109,7 +109,7 @@ def cmd_demo(args) -> int:
         engine.commit([req], [acc], out)
         emitted += acc.num_accepted + 1
         print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {acc.num_accepted:>8} {err:>10.2e} "
-              f"{1000 * dt_verify:>9.1f}")
+              f"{1000 * dt_verify:>9.1f} {out.topk_ties:>4}")
     if _is_bytes(model):
         from .train.corpus import decode
 
@@ -117,7 +117,8 @@ def cmd_demo(args) -> int:
     ok = worst <= REL_ERR_BOUND
     print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
           f"worst relative error vs per-path reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): "
-          f"{'PASS' if ok else 'FAIL'}; verify time {t_verify:.2f} s")
+          f"{'PASS' if ok else 'FAIL'}; verify time {t_verify:.2f} s. (ties: rows whose indexer top-k boundary "
+          "was an exact or near tie, decided by the documented tie rule, which the reference applies too)")
     return 0 if ok else 1
 
 

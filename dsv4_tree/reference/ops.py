@@ -48,12 +48,16 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, s
     return out
 
 
+TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
+
+
 def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, branch_visible: torch.Tensor,
                 topk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The tie rule (shared by every backend): candidates in block order, stable descending sort.
 
     committed_scores [N,C]; branch_scores [N,E] (all branch entries); branch_visible [N,V].
-    Returns (selected [N,k] ids into committed++branch, valid [N,k], boundary-tie rows)."""
+    Returns (selected [N,k] ids into committed++branch, valid [N,k], rows whose k-th and
+    (k+1)-th scores are equal or within TIE_MARGIN relative: the choice there is ours alone)."""
     n, c = committed_scores.shape
     vis_ok = branch_visible >= 0
     if branch_visible.shape[1] and branch_scores.shape[1]:
@@ -72,7 +76,9 @@ def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, bra
     ties = 0
     if 0 < k < scores.shape[1]:
         edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        ties = int(((edge == nxt) & torch.isfinite(nxt)).sum())
+        # a boundary within rounding of a tie: another implementation may choose differently
+        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
+        ties = int((((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).sum())
     return selected, valid, ties
 
 

@@ -1,6 +1,8 @@
 """The per-path oracle: one standalone Hugging Face forward per node, no cache."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..tree.draft_tree import DraftTree
@@ -8,6 +10,30 @@ from ..tree.draft_tree import DraftTree
 
 def _hf(model):
     return getattr(model, "hf", model)
+
+
+def _stable_rank(module, args, scores):
+    """Replace indexer scores [B, S, T] by minus their rank in a stable descending sort: the
+    order is unchanged except that exact ties now go to the lower (earlier) entry."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return -ranks.to(scores.dtype)
+
+
+@contextlib.contextmanager
+def tie_rule(model):
+    """Make HF's indexer break exact top-k ties by our rule (design_notes/indexer-tie-rule.md).
+
+    HF's scores feed only its top-k, whose choice among equal scores is unspecified; this
+    fixes that choice and changes nothing where there is no tie."""
+    hf = _hf(model)
+    handles = [m.register_forward_hook(_stable_rank) for name, m in hf.named_modules() if name.endswith("indexer.scorer")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @torch.no_grad()
@@ -19,14 +45,18 @@ def sequence_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def per_path_logits(model, committed_ids, tree: DraftTree) -> torch.Tensor:
+def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool = True) -> torch.Tensor:
     """Row i: the model's logits at the last position of committed_ids ++ tokens of path(i),
-    each computed by its own forward from scratch. [N, vocab]"""
+    each computed by its own forward from scratch. [N, vocab]
+
+    apply_tie_rule: break exact indexer top-k ties by our documented rule (the only freedom
+    the HF oracle leaves); False runs HF untouched."""
     committed = torch.as_tensor(committed_ids, dtype=torch.int64).cpu()
     rows = []
-    for i in range(tree.num_nodes):
-        seq = torch.cat([committed, tree.path_tokens(i)])
-        rows.append(sequence_logits(model, seq)[-1])
+    with tie_rule(model) if apply_tie_rule else contextlib.nullcontext():
+        for i in range(tree.num_nodes):
+            seq = torch.cat([committed, tree.path_tokens(i)])
+            rows.append(sequence_logits(model, seq)[-1])
     return torch.stack(rows)
 
 
