@@ -156,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--plot", default="bench_out/bench_verify.png", help="PNG path ('' to skip)")
     args = ap.parse_args(argv)
     if args.quick:
-        contexts, nodes, reps = [4096, 16384], [8], args.reps or 2
+        contexts, nodes, reps = [4096, 16384], [8], args.reps or 1
     else:
         contexts = [16384, 65536, 262144]
         nodes, reps = [1, 4, 8, 16, 32, 64], args.reps or 3
@@ -182,7 +182,7 @@ def main(argv=None):
         req = Request(torch.randint(2, 1000, (ctx,)), 5, cache)
         base = cache_bytes(cache)
         for n in nodes:
-            for shape in (("tree", "chain") if n > 1 else ("tree",)):
+            for shape in (("tree", "chain") if n > 1 and not args.quick else ("tree",)):
                 tree = eagle_tree(5, n) if shape == "tree" else dt.DraftTree.chain([5] + list(range(2, n + 1)))
                 med, mem, leaves, r = run_case(engine, req, tree, args.device, reps)
                 rec = {"context": ctx, "N": n, "shape": "topk4" if shape == "tree" else "chain", "leaves": leaves,
