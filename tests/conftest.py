@@ -10,9 +10,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-WORST = {}
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
 

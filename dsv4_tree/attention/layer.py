@@ -73,7 +73,7 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
         rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
         cache = layer_caches[b]
         n_local = rp.window_len + rp.num_nodes  # local table = [window, new rows, branch entries]
-        local_index = torch.where(rp.swa_valid, rp.swa_index, torch.full_like(rp.swa_index, -1))
+        local_index = rp.swa_index
         shared, global_kv = empty, empty
         global_index = rp.swa_index.new_zeros((rp.num_nodes, 0))
         parts = [cache.window, kv[rows]]

@@ -53,8 +53,7 @@ class RequestPlan:
     tree: DraftTree
     positions: torch.Tensor  # [N] P + depth
     window_len: int  # Lw = min(P, W) committed window rows
-    swa_index: torch.Tensor  # [N, W] into cat[window (Lw), new rows (N)]
-    swa_valid: torch.Tensor  # [N, W] bool
+    swa_index: torch.Tensor  # [N, W] into cat[window (Lw), new rows (N)]; -1 before position 0
     compress: dict  # ratio (int) -> CompressPlan
 
 
@@ -108,9 +107,9 @@ def plan_request(tree: DraftTree, seq_len: int, row_offset: int, window: int, ra
     valid = q >= 0
     rows = torch.arange(n)
     idx = _table_rows(q.clamp(min=0), seq_len, seq_len - lw, lw, tree.path, rows)
-    idx = torch.where(valid, idx, torch.zeros_like(idx))
+    idx = torch.where(valid, idx, torch.full_like(idx, -1))
     compress = {m: plan_compress(tree, seq_len, m) for m in sorted(set(ratios))}
-    return RequestPlan(seq_len, n, row_offset, tree, pos, lw, idx, valid, compress)
+    return RequestPlan(seq_len, n, row_offset, tree, pos, lw, idx, compress)
 
 
 def build_plan(trees, seq_lens, window: int, ratios) -> VerifyPlan:
