@@ -13,6 +13,7 @@ import triton.language as tl
 from dsv4_tree.reference.ops import select_topk
 
 from ._launch import FLOATS, check, check_device, pow2
+from ._tiles import load_rows
 
 
 @triton.jit
@@ -22,11 +23,9 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, H, E, D, scale,
     re = pid * BE + tl.arange(0, BE)
     rd = tl.arange(0, BD)
     rh = tl.arange(0, BH)
-    keys = tl.load(k_ptr + re[:, None] * D + rd[None, :], mask=(re[:, None] < E) & (rd[None, :] < D), other=0.0)
-    keys = keys.to(tl.float32)
+    keys = load_rows(k_ptr, re, re < E, rd, D)
     for n in range(0, N):
-        q = tl.load(q_ptr + (n * H + rh[:, None]) * D + rd[None, :], mask=(rh[:, None] < H) & (rd[None, :] < D),
-                    other=0.0).to(tl.float32)
+        q = load_rows(q_ptr, n * H + rh, rh < H, rd, D)
         w = tl.load(w_ptr + n * H + rh, mask=rh < H, other=0.0).to(tl.float32)
         s = tl.maximum(tl.dot(q, tl.trans(keys)), 0.0) * scale  # [BH, BE]
         score = tl.sum(s * w[:, None], axis=0)

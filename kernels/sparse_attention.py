@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._launch import FLOATS, INDEX, check, check_device, pow2
+from ._tiles import load_rows, store_partial
 
 
 @triton.jit
@@ -33,21 +34,16 @@ def _dense_partial_kernel(q_ptr, kv_ptr, m_ptr, l_ptr, acc_ptr, M, S, D, scale,
     pid = tl.program_id(0)
     rm = pid * BM + tl.arange(0, BM)
     rd = tl.arange(0, BD)
-    q = tl.load(q_ptr + rm[:, None] * D + rd[None, :], mask=(rm[:, None] < M) & (rd[None, :] < D), other=0.0)
-    q = q.to(tl.float32)
+    q = load_rows(q_ptr, rm, rm < M, rd, D)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BD), tl.float32)
     for s0 in range(0, S, BS):
         rs = s0 + tl.arange(0, BS)
-        kv = tl.load(kv_ptr + rs[:, None] * D + rd[None, :], mask=(rs[:, None] < S) & (rd[None, :] < D), other=0.0)
-        kv = kv.to(tl.float32)
+        kv = load_rows(kv_ptr, rs, rs < S, rd, D)
         logits = tl.where(rs[None, :] < S, tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
-    ok = rm < M
-    tl.store(m_ptr + rm, m_i, mask=ok)
-    tl.store(l_ptr + rm, l_i, mask=ok)
-    tl.store(acc_ptr + rm[:, None] * D + rd[None, :], acc, mask=ok[:, None] & (rd[None, :] < D))
+    store_partial(m_ptr, l_ptr, acc_ptr, rm, rm < M, rd, D, m_i, l_i, acc)
 
 
 @triton.jit
@@ -58,8 +54,7 @@ def _gather_partial_kernel(q_ptr, kv_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr, H, K, 
     rh = hb * BH + tl.arange(0, BH)
     rd = tl.arange(0, BD)
     hmask = rh < H
-    q = tl.load(q_ptr + (n * H + rh[:, None]) * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
-    q = q.to(tl.float32)
+    q = load_rows(q_ptr, n * H + rh, hmask, rd, D)
     m_i = tl.full((BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BD), tl.float32)
@@ -67,14 +62,10 @@ def _gather_partial_kernel(q_ptr, kv_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr, H, K, 
         rk = k0 + tl.arange(0, BK)
         idx = tl.load(idx_ptr + n * K + rk, mask=rk < K, other=-1)
         ok = idx >= 0
-        kv = tl.load(kv_ptr + tl.where(ok, idx, 0)[:, None] * D + rd[None, :],
-                     mask=ok[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
+        kv = load_rows(kv_ptr, tl.where(ok, idx, 0), ok, rd, D)
         logits = tl.where(ok[None, :], tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
-    base = n * H + rh
-    tl.store(m_ptr + base, m_i, mask=hmask)
-    tl.store(l_ptr + base, l_i, mask=hmask)
-    tl.store(acc_ptr + base[:, None] * D + rd[None, :], acc, mask=hmask[:, None] & (rd[None, :] < D))
+    store_partial(m_ptr, l_ptr, acc_ptr, n * H + rh, hmask, rd, D, m_i, l_i, acc)
 
 
 def _empty_partial(n, h, d, device):
