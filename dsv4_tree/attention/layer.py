@@ -72,7 +72,6 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
     for b, rp in enumerate(plan.requests):
         rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
         cache = layer_caches[b]
-        n_local = rp.window_len + rp.num_nodes  # local table = [window, new rows, branch entries]
         local_index = rp.swa_index
         shared, global_kv = empty, empty
         global_index = rp.swa_index.new_zeros((rp.num_nodes, 0))
@@ -97,12 +96,11 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
                 none = torch.full_like(sel, -1)
                 global_kv = cache.main.entries.rows
                 global_index = torch.where(valid & (sel < c), sel, none)
-                extra = torch.where(valid & (sel >= c), n_local + sel - c, none)
+                extra = torch.where(valid & (sel >= c), rp.local_offset + sel - c, none)
+                local_index = torch.cat([local_index, extra], dim=1)
             else:
                 shared = cache.main.entries.rows
-                vis = cp.visible
-                extra = torch.where(vis >= 0, n_local + vis, torch.full_like(vis, -1))
-            local_index = torch.cat([local_index, extra], dim=1)
+                local_index = rp.swa_branch_index[comp.compress_rate]
         local_kv = torch.cat(parts)
         out, _ = ops.sparse_mqa_sink(q[rows], shared, local_kv, local_index, global_kv, global_index,
                                      attn.sinks, attn.scaling)

@@ -55,6 +55,14 @@ class RequestPlan:
     window_len: int  # Lw = min(P, W) committed window rows
     swa_index: torch.Tensor  # [N, W] into cat[window (Lw), new rows (N)]; -1 before position 0
     compress: dict  # ratio (int) -> CompressPlan
+    # ratio -> [N, W + D+1]: swa_index, then the row's branch entries as ids into the local
+    # table cat[window, new rows, branch entries] (-1 = none); what layers without an indexer read
+    swa_branch_index: dict
+
+    @property
+    def local_offset(self) -> int:
+        """Where branch entries start in the local table cat[window, new rows, entries]."""
+        return self.window_len + self.num_nodes
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,11 @@ def plan_request(tree: DraftTree, seq_len: int, row_offset: int, window: int, ra
     idx = _table_rows(q.clamp(min=0), seq_len, seq_len - lw, lw, tree.path, rows)
     idx = torch.where(valid, idx, torch.full_like(idx, -1))
     compress = {m: plan_compress(tree, seq_len, m) for m in sorted(set(ratios))}
-    return RequestPlan(seq_len, n, row_offset, tree, pos, lw, idx, compress)
+    swa_branch = {
+        m: torch.cat([idx, torch.where(cp.visible >= 0, lw + n + cp.visible, torch.full_like(cp.visible, -1))], 1)
+        for m, cp in compress.items()
+    }
+    return RequestPlan(seq_len, n, row_offset, tree, pos, lw, idx, compress, swa_branch)
 
 
 def build_plan(trees, seq_lens, window: int, ratios) -> VerifyPlan:
