@@ -31,30 +31,28 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 MTP_PREFIX = "mtp.0."
 
-# checkpoint sub-name -> module sub-name, applied in order (a naming table of our own)
-_RENAMES = [
-    (r"^attn_norm\.", "decoder.input_layernorm."),
-    (r"^ffn_norm\.", "decoder.post_attention_layernorm."),
-    (r"^hc_attn_(fn|base|scale)$", r"decoder.attn_hc.\1"),
-    (r"^hc_ffn_(fn|base|scale)$", r"decoder.ffn_hc.\1"),
-    (r"^hc_head_fn$", "hc_head.hc_fn"),
-    (r"^hc_head_base$", "hc_head.hc_base"),
-    (r"^hc_head_scale$", "hc_head.hc_scale"),
-    (r"^attn\.attn_sink$", "decoder.self_attn.sinks"),
-    (r"^attn\.wq_a\.", "decoder.self_attn.q_a_proj."),
-    (r"^attn\.wq_b\.", "decoder.self_attn.q_b_proj."),
-    (r"^attn\.q_norm\.", "decoder.self_attn.q_a_norm."),
-    (r"^attn\.wkv\.", "decoder.self_attn.kv_proj."),
-    (r"^attn\.norm\.", "decoder.self_attn.kv_norm."),
-    (r"^attn\.wo_a\.", "decoder.self_attn.o_a_proj."),
-    (r"^attn\.wo_b\.", "decoder.self_attn.o_b_proj."),
-    (r"^ffn\.gate\.weight$", "decoder.mlp.gate.weight"),
-    (r"^ffn\.gate\.bias$", "decoder.mlp.gate.e_score_correction_bias"),
-    (r"^ffn\.shared_experts\.w1\.", "decoder.mlp.shared_experts.gate_proj."),
-    (r"^ffn\.shared_experts\.w2\.", "decoder.mlp.shared_experts.down_proj."),
-    (r"^ffn\.shared_experts\.w3\.", "decoder.mlp.shared_experts.up_proj."),
-    (r"^(enorm|hnorm|e_proj|h_proj|norm)\.weight$", r"\1.weight"),
-]
+# checkpoint name (after mtp.0.) -> MtpBlock state-dict name; one table, read both ways
+CKPT_TO_MODULE = {
+    "attn_norm.weight": "decoder.input_layernorm.weight",
+    "ffn_norm.weight": "decoder.post_attention_layernorm.weight",
+    **{f"hc_{part}_{leaf}": f"decoder.{part}_hc.{leaf}" for part in ("attn", "ffn") for leaf in ("fn", "base", "scale")},
+    **{f"hc_head_{leaf}": f"hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")},
+    "attn.attn_sink": "decoder.self_attn.sinks",
+    "attn.wq_a.weight": "decoder.self_attn.q_a_proj.weight",
+    "attn.wq_b.weight": "decoder.self_attn.q_b_proj.weight",
+    "attn.q_norm.weight": "decoder.self_attn.q_a_norm.weight",
+    "attn.wkv.weight": "decoder.self_attn.kv_proj.weight",
+    "attn.norm.weight": "decoder.self_attn.kv_norm.weight",
+    "attn.wo_a.weight": "decoder.self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "decoder.self_attn.o_b_proj.weight",
+    "ffn.gate.weight": "decoder.mlp.gate.weight",
+    "ffn.gate.bias": "decoder.mlp.gate.e_score_correction_bias",
+    "ffn.shared_experts.w1.weight": "decoder.mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w2.weight": "decoder.mlp.shared_experts.down_proj.weight",
+    "ffn.shared_experts.w3.weight": "decoder.mlp.shared_experts.up_proj.weight",
+    **{f"{m}.weight": f"{m}.weight" for m in ("enorm", "hnorm", "e_proj", "h_proj", "norm")},
+}
+MODULE_TO_CKPT = {v: k for k, v in CKPT_TO_MODULE.items()}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
@@ -86,13 +84,6 @@ class MtpBlock(nn.Module):
         return (e.unsqueeze(1) + self.h_proj(self.hnorm(hidden))).unsqueeze(0)
 
 
-def rename(sub: str) -> str | None:
-    for pattern, target in _RENAMES:
-        if re.search(pattern, sub):
-            return re.sub(pattern, target, sub)
-    return None
-
-
 def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
     """Checkpoint tensors named mtp.0.* -> MtpBlock state dict (experts stacked)."""
     out, experts = {}, {}
@@ -102,7 +93,7 @@ def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
         if m:
             experts[(int(m.group(1)), m.group(2))] = t
             continue
-        target = rename(sub)
+        target = CKPT_TO_MODULE.get(sub)
         if target is None:
             raise CheckpointError(f"unrecognised MTP tensor {name!r}")
         out[target] = t
@@ -118,26 +109,15 @@ def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
 
 def to_checkpoint_names(block: MtpBlock) -> dict:
     """Inverse of mtp_state_dict: MtpBlock weights in DeepSeek's checkpoint naming."""
-    inverse = {}
     sd = {k: v.detach().clone().contiguous() for k, v in block.state_dict().items()}
-    probe = [
-        "attn_norm.weight", "ffn_norm.weight", "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn",
-        "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale", "attn.attn_sink",
-        "attn.wq_a.weight", "attn.wq_b.weight", "attn.q_norm.weight", "attn.wkv.weight", "attn.norm.weight",
-        "attn.wo_a.weight", "attn.wo_b.weight", "ffn.gate.weight", "ffn.gate.bias", "ffn.shared_experts.w1.weight",
-        "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight", "enorm.weight", "hnorm.weight",
-        "e_proj.weight", "h_proj.weight", "norm.weight",
-    ]
-    for sub in probe:
-        inverse[rename(sub)] = MTP_PREFIX + sub
-    out = {inverse[k]: v for k, v in sd.items() if k in inverse}
+    out = {MTP_PREFIX + MODULE_TO_CKPT[k]: v for k, v in sd.items() if k in MODULE_TO_CKPT}
     gate_up, down = sd["decoder.mlp.experts.gate_up_proj"], sd["decoder.mlp.experts.down_proj"]
     half = gate_up.shape[1] // 2
     for i in range(gate_up.shape[0]):
         out[f"{MTP_PREFIX}ffn.experts.{i}.w1.weight"] = gate_up[i, :half].contiguous()
         out[f"{MTP_PREFIX}ffn.experts.{i}.w3.weight"] = gate_up[i, half:].contiguous()
         out[f"{MTP_PREFIX}ffn.experts.{i}.w2.weight"] = down[i].contiguous()
-    unused = set(sd) - set(inverse) - {"decoder.mlp.experts.gate_up_proj", "decoder.mlp.experts.down_proj"}
+    unused = set(sd) - set(MODULE_TO_CKPT) - {"decoder.mlp.experts.gate_up_proj", "decoder.mlp.experts.down_proj"}
     unused = {k for k in unused if not k.endswith(("inv_freq", "original_inv_freq"))}
     if unused:
         raise CheckpointError(f"MTP weights without a checkpoint name: {sorted(unused)}")
