@@ -11,6 +11,7 @@ from .errors import ConfigError
 MASK_MODES = ("FULL_MASK", "QLEN_ONLY", "QLEN_ONLY_BITPACKING")
 ATTENTION_BACKENDS = ("torch", "triton")
 ACCEPT_ALGORITHMS = ("greedy", "sampling")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,12 @@ class SpecConfig:
     attention_backend: implementation of the verify attention for the whole run.
     accept:            "greedy" or "sampling".
     prefill_chunk:     prompt tokens per forward during prefill (bounds memory).
+    kv_cache_dtype:    storage of K=V rows and compressed entries in the pools: "auto" (the
+                       model's dtype, exact), "bfloat16", "fp8_e4m3" (DeepSeek-V4's record).
+    page_size:         slots per page of every pool (SGLang's 256); a power of two.
+    max_requests:      live requests the pools are sized for.
+    max_total_tokens:  committed + draft positions over all live requests the pools hold
+                       (None: min(max_requests * max_position_embeddings, 2**18)).
     """
 
     eagle_topk: int = 1
@@ -34,9 +41,13 @@ class SpecConfig:
     attention_backend: str = "torch"
     accept: str = "greedy"
     prefill_chunk: int = 256
+    kv_cache_dtype: str = "auto"
+    page_size: int = 256
+    max_requests: int = 64
+    max_total_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("eagle_topk", "num_steps", "prefill_chunk"):
+        for name in ("eagle_topk", "num_steps", "prefill_chunk", "page_size", "max_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"SpecConfig.{name} must be an int, got {value!r}")
@@ -46,7 +57,11 @@ class SpecConfig:
             not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)
         ):
             raise ConfigError(f"SpecConfig.num_draft_tokens must be an int, got {self.num_draft_tokens!r}")
-        for name in ("mask_mode", "attention_backend", "accept"):
+        if self.max_total_tokens is not None and (
+            not isinstance(self.max_total_tokens, int) or isinstance(self.max_total_tokens, bool)
+        ):
+            raise ConfigError(f"SpecConfig.max_total_tokens must be an int or None, got {self.max_total_tokens!r}")
+        for name in ("mask_mode", "attention_backend", "accept", "kv_cache_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"SpecConfig.{name} must be a string, got {getattr(self, name)!r}")
 

@@ -1,21 +1,21 @@
-"""Engine: prefill, verify, accept, commit over our own committed caches."""
+"""Engine: prefill, verify, accept, commit over the paged serving pools."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .attention.backend import get_backend
-from .attention.plan import VerifyPlan, build_plan
-from .cache.state import RequestCache
 from .config import SpecConfig
 from .errors import InputError, StateError
 from .hooks import validate_spec
 from .model.adapter import Model, load_model
 from .model.forward import RowsRun, run_rows
+from .serving.runtime import ServingRuntime
+from .serving.tables import VerifyPlan
 from .tree.draft_tree import DraftTree
-from .verify import commit as commit_mod
 from .verify.accept import Acceptance, greedy_path
 from .verify.sampling import sample_path, target_probs
 
@@ -25,20 +25,22 @@ _ids = itertools.count()
 @dataclass
 class Request:
     """One sequence's committed state. seq_len = P committed (KV-ready) positions; root_token
-    is the pending token at position P. Only Engine.commit / prefill change it."""
+    is the pending token at position P; row: its row in the engine's page tables. Only
+    Engine.prefill / commit / release change it."""
 
     tokens: torch.Tensor  # [P] committed token ids
     root_token: int
-    cache: RequestCache = field(repr=False)
+    row: int
+    seq_len: int = 0
     request_id: int = field(default_factory=lambda: next(_ids))
     # target residual streams (before hc_head) of the last rows the latest prefill/commit added
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
-
-    @property
-    def seq_len(self) -> int:
-        return self.cache.seq_len
+    prefill_topk_ties: int = 0  # indexer top-k boundary ties met while prefilling (committed rows)
+    released: bool = False
+    scratch_owner: int = field(default=0, repr=False)  # verify whose rows sit in this request's draft slots
+    finalizer: object = field(default=None, repr=False, compare=False)  # returns the slots if never released
 
 
 @dataclass
@@ -54,7 +56,8 @@ class VerifyOutput:
 
     @property
     def topk_ties(self) -> int:
-        return self.run.topk_ties
+        """Rows whose indexer top-k boundary was a (near-)tie (read from the device on access)."""
+        return int(self.run.topk_ties)
 
 
 class Engine:
@@ -65,6 +68,7 @@ class Engine:
         self.spec = spec if spec is not None else SpecConfig()
         self.limits = validate_spec(self.model.config, self.spec)
         self.ops = get_backend(self.spec.attention_backend)
+        self.runtime = ServingRuntime(self.model, self.spec, self.limits)
         self._verify_ids = itertools.count(1)
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
 
@@ -133,11 +137,10 @@ class Engine:
                 )
 
     # ---------------------------------------------------------------- steps
-    def _run(self, requests, trees, logit_rows=None):
-        plan = build_plan(trees, [r.seq_len for r in requests], self.model.window, self.model.ratios)
-        plan = plan.to(self.model.device)
-        run = run_rows(self.model, plan, [r.cache for r in requests], self.ops, logit_rows)
-        return plan, run
+    def _live(self, requests) -> None:
+        for b, req in enumerate(requests):
+            if req.released:
+                raise StateError(f"requests[{b}] (id {req.request_id}) was released")
 
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
         """Commit prompt[:-1] (KV-ready) and leave prompt[-1] as the pending root token.
@@ -146,33 +149,53 @@ class Engine:
         (default sliding_window + 1, all a sliding-window draft layer can use)."""
         keep = self.model.window + 1 if hidden_rows is None else hidden_rows
         ids = self._as_prompt(prompt_ids)
-        req = Request(ids[:0].clone(), int(ids[-1]), self.model.new_cache())
-        body = ids[:-1]
-        chunk = self.spec.prefill_chunk
-        hidden = []
-        for start in range(0, body.numel(), chunk):
-            part = body[start : start + chunk]
-            tree = DraftTree.chain(part)
-            plan, run = self._run([req], [tree], logit_rows=torch.tensor([part.numel() - 1]))
-            path = torch.arange(part.numel())
-            updates = commit_mod.commit_plan(self.model, req.cache, run.layers, 0, plan.requests[0], path)
-            commit_mod.apply(req.cache, updates, req.seq_len + part.numel())
-            req.tokens = torch.cat([req.tokens, part])
-            hidden.append(run.hidden)
-            if sum(h.shape[0] for h in hidden) > keep:  # bounded: at most keep + one chunk
-                hidden = [torch.cat(hidden)[-keep:]]
+        rt = self.runtime
+        req = Request(ids[:0].clone(), int(ids[-1]), rt.admit())
+        req.finalizer = weakref.finalize(req, rt.release_row, req.row)
+        try:
+            body = ids[:-1]
+            chunk = self.spec.prefill_chunk
+            hidden, ties = [], []
+            for start in range(0, body.numel(), chunk):
+                part = body[start : start + chunk]
+                tree = DraftTree.chain(part)
+                plan = rt.plan([req.row], [req.seq_len], [tree])
+                last = torch.tensor([part.numel() - 1], device=self.model.device)
+                run = run_rows(self.model, plan.to(self.model.device), rt.pools, self.ops, last)
+                rt.commit([req.row], [req.seq_len], [torch.arange(part.numel())])
+                req.seq_len += part.numel()
+                req.tokens = torch.cat([req.tokens, part])
+                hidden.append(run.hidden)
+                ties.append(run.topk_ties)
+                if sum(h.shape[0] for h in hidden) > keep:  # bounded: at most keep + one chunk
+                    hidden = [torch.cat(hidden)[-keep:]]
+        except BaseException:
+            self.release(req)
+            raise
         req.new_hidden = torch.cat(hidden)[-keep:] if hidden else None
+        req.prefill_topk_ties = int(sum(ties)) if ties else 0
         return req
+
+    def plan(self, requests, trees) -> VerifyPlan:
+        """Host half of verify: validate, map draft slots, build the batch's tables."""
+        self._check_batch(requests, trees)
+        self._live(requests)
+        return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
+
+    def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
+        """Device half of verify: one forward over all rows (no host synchronisation inside)."""
+        if tuple(r.row for r in requests) != plan.rows or tuple(r.seq_len for r in requests) != plan.seq_lens:
+            raise StateError("the plan was built for other requests or an older committed state; plan again")
+        run = run_rows(self.model, plan.to(self.model.device), self.runtime.pools, self.ops)
+        vid = next(self._verify_ids)
+        for r in requests:
+            r.scratch_owner = vid
+        logits = [run.logits[o : o + n] for o, n in zip(plan.offsets, plan.num_nodes)]
+        return VerifyOutput(logits, plan, run, tuple(r.request_id for r in requests), plan.seq_lens, vid)
 
     def verify(self, requests, trees) -> VerifyOutput:
         """Logits of every node of every tree; committed state is never changed."""
-        self._check_batch(requests, trees)
-        plan, run = self._run(requests, trees)
-        logits = [run.logits[rp.row_offset : rp.row_offset + rp.num_nodes] for rp in plan.requests]
-        return VerifyOutput(
-            logits, plan, run, tuple(r.request_id for r in requests), tuple(r.seq_len for r in requests),
-            next(self._verify_ids),
-        )
+        return self.run_plan(self.plan(requests, trees), requests)
 
     def accept_greedy(self, requests, trees, out: VerifyOutput) -> list:
         """Longest path where each node is the target's argmax at its parent (SGLang order)."""
@@ -212,9 +235,9 @@ class Engine:
             raise InputError("requests differ from those of the verify call that produced `out`")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
             raise StateError("a request was committed since this verify ran; verify again")
-        for b, (tree, rp) in enumerate(zip(trees, out.plan.requests)):
-            if tree is not rp.tree and not (
-                torch.equal(tree.tokens, rp.tree.tokens) and torch.equal(tree.parents, rp.tree.parents)
+        for b, (tree, planned) in enumerate(zip(trees, out.plan.trees)):
+            if tree is not planned and not (
+                torch.equal(tree.tokens, planned.tokens) and torch.equal(tree.parents, planned.parents)
             ):
                 raise InputError(f"trees[{b}] is not the tree verified for requests[{b}]")
 
@@ -231,12 +254,13 @@ class Engine:
             raise InputError("requests differ from those of the verify call that produced the acceptances")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
             raise StateError("a request was committed since this verify ran; verify again")
-        staged = []
-        for b, (req, acc, rp) in enumerate(zip(requests, accs, out.plan.requests)):
+        paths, staged = [], []
+        for b, (req, acc, tree) in enumerate(zip(requests, accs, out.plan.trees)):
             if not isinstance(acc, Acceptance) or acc.verify_id != out.verify_id or acc.request_id != req.request_id:
                 raise StateError(f"accs[{b}] does not belong to this verify output and request")
+            if req.scratch_owner != out.verify_id:
+                raise StateError(f"requests[{b}] was verified again since this output; its draft rows are gone")
             path = torch.as_tensor(acc.path, dtype=torch.int64)
-            tree = rp.tree
             if path.numel() == 0 or int(path[0]) != 0:
                 raise InputError(f"accs[{b}].path must start at the root (node 0)")
             if int(path.max()) >= tree.num_nodes or not torch.equal(tree.path[path[-1], : path.numel()], path):
@@ -244,11 +268,28 @@ class Engine:
             self._check_ids(torch.tensor([acc.bonus]), f"accs[{b}].bonus")
             if req.seq_len + path.numel() >= self.limits.max_positions:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
-            updates = commit_mod.commit_plan(self.model, req.cache, out.run.layers, b, rp, path)
-            hidden = out.run.hidden[rp.row_offset : rp.row_offset + rp.num_nodes][path.to(out.run.hidden.device)]
-            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
-        for req, updates, toks, bonus, n, hidden in staged:
-            commit_mod.apply(req.cache, updates, req.seq_len + n)
+            o = out.plan.offsets[b]
+            hidden = out.run.hidden[o : o + tree.num_nodes][path.to(out.run.hidden.device)]
+            paths.append(path)
+            staged.append((req, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
+        self._live(requests)
+        self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths)
+        for req, toks, bonus, n, hidden in staged:
+            req.seq_len += n
             req.tokens = torch.cat([req.tokens, toks])
             req.root_token = int(bonus)
             req.new_hidden = hidden
+            req.scratch_owner = 0
+
+    def release(self, req: Request) -> None:
+        """Return every slot of `req` to the pools; the request cannot be used afterwards."""
+        if not isinstance(req, Request):
+            raise InputError(f"release needs a dsv4_tree.Request, got {type(req).__name__}")
+        if not req.released:
+            req.released = True
+            req.finalizer()  # runs release_row once, and never again at garbage collection
+
+    def state_summary(self, req: Request) -> list:
+        """The request's committed state per layer in Hugging Face cache-field names (host copies)."""
+        self._live([req])
+        return self.runtime.committed_view(req.row, req.seq_len)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ACCEPT_ALGORITHMS, ATTENTION_BACKENDS, MASK_MODES, SpecConfig
+from .config import ACCEPT_ALGORITHMS, ATTENTION_BACKENDS, KV_CACHE_DTYPES, MASK_MODES, SpecConfig
 from .errors import ConfigError
 
 SUPPORTED_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -69,7 +69,20 @@ def validate_spec(model_config, spec: SpecConfig) -> ServingPlan:
         )
     if spec.accept not in ACCEPT_ALGORITHMS:
         raise ConfigError(f"accept={spec.accept!r} is unknown; choose one of {ACCEPT_ALGORITHMS}")
+    if spec.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={spec.kv_cache_dtype!r} is unknown; choose one of {KV_CACHE_DTYPES}")
+    if spec.page_size < 1 or spec.page_size & (spec.page_size - 1):
+        raise ConfigError(f"page_size must be a power of two, got {spec.page_size}")
+    if spec.max_requests < 1:
+        raise ConfigError(f"max_requests must be >= 1, got {spec.max_requests}")
+    if spec.max_total_tokens is not None and spec.max_total_tokens < 1:
+        raise ConfigError(f"max_total_tokens must be >= 1, got {spec.max_total_tokens}")
     _validate_model(model_config)
+    for layer_type, ratio in model_config.compress_rates.items():
+        if layer_type in model_config.layer_types and spec.page_size % ratio and ratio % spec.page_size:
+            raise ConfigError(
+                f"page_size={spec.page_size} and compress_rates[{layer_type!r}]={ratio} must divide one another"
+            )
     if spec.num_steps + 1 >= model_config.max_position_embeddings:
         raise ConfigError(
             f"num_steps={spec.num_steps} leaves no room under max_position_embeddings="

@@ -26,6 +26,11 @@ def small_model(window: int = 8, hca: int = 16, topk: int = 3, sliding_only: boo
     return dt.load_model(random_model(dt.tiny_config(**kw)))
 
 
+def snapshot(engine, req) -> list:
+    """A request's committed state, per layer: dict name -> tensor (HF cache-field names)."""
+    return engine.state_summary(req)
+
+
 def engine_for(model, topk: int = 4, steps: int = 12, nodes: int = 64) -> dt.Engine:
     return dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
 

@@ -4,18 +4,18 @@ import torch
 
 import dsv4_tree as dt
 from cases import deep_chain_tree, engine_for, prompt, random_tree, small_model
-from dsv4_tree.verify.commit import layer_summary
+from cases import snapshot as state_of
 
 
-def snapshot(req):
-    state = [(k, v.clone()) for lc in req.cache.layers for k, v in layer_summary(lc).items()]
+def snapshot(eng, req):
+    state = [(k, v.clone()) for layer in state_of(eng, req) for k, v in layer.items()]
     return req.seq_len, req.root_token, req.tokens.clone(), state
 
 
-def assert_unchanged(req, snap):
+def assert_unchanged(eng, req, snap):
     seq_len, root, tokens, state = snap
     assert req.seq_len == seq_len and req.root_token == root and torch.equal(req.tokens, tokens)
-    now = [(k, v) for lc in req.cache.layers for k, v in layer_summary(lc).items()]
+    now = [(k, v) for layer in state_of(eng, req) for k, v in layer.items()]
     assert [k for k, _ in now] == [k for k, _ in state]
     for (k, a), (_, b) in zip(now, state):
         assert torch.equal(a, b), k
@@ -54,11 +54,11 @@ def setup():
 
 def test_token_out_of_vocab(setup):
     _, eng, req = setup
-    snap = snapshot(req)
+    snap = snapshot(eng, req)
     tree = dt.DraftTree(torch.tensor([req.root_token, 600]), torch.tensor([-1, 0]))
     with pytest.raises(dt.InputError, match="600 outside the vocabulary"):
         eng.verify([req], [tree])
-    assert_unchanged(req, snap)
+    assert_unchanged(eng, req, snap)
     with pytest.raises(dt.InputError, match="vocabulary"):
         eng.prefill([1, 2, 9999])
 
@@ -75,7 +75,7 @@ def test_prompt_errors(setup):
 
 def test_lists_of_different_length(setup):
     _, eng, req = setup
-    snap = snapshot(req)
+    snap = snapshot(eng, req)
     tree = deep_chain_tree(req.root_token, 2, 0)
     with pytest.raises(dt.InputError, match="1 requests but 2 trees"):
         eng.verify([req], [tree, tree])
@@ -83,12 +83,12 @@ def test_lists_of_different_length(setup):
         eng.verify([], [])
     with pytest.raises(dt.InputError, match="twice"):
         eng.verify([req, req], [tree, tree])
-    assert_unchanged(req, snap)
+    assert_unchanged(eng, req, snap)
 
 
 def test_tree_limits_and_root(setup):
     _, eng, req = setup
-    snap = snapshot(req)
+    snap = snapshot(eng, req)
     with pytest.raises(dt.InputError, match="num_draft_tokens allows 16"):
         eng.verify([req], [random_tree(req.root_token, 20, 3, 6, 1)])
     with pytest.raises(dt.InputError, match="num_steps allows 6"):
@@ -97,23 +97,23 @@ def test_tree_limits_and_root(setup):
         eng.verify([req], [deep_chain_tree((req.root_token + 1) % 500, 2, 1)])
     with pytest.raises(dt.InputError, match="DraftTree"):
         eng.verify([req], [[req.root_token, 2]])
-    assert_unchanged(req, snap)
+    assert_unchanged(eng, req, snap)
 
 
 def test_positions_past_model_limit():
     model = small_model()
     eng = engine_for(model, topk=1, steps=12, nodes=13)
     req = eng.prefill(prompt(505, 2))
-    snap = snapshot(req)
+    snap = snapshot(eng, req)
     with pytest.raises(dt.InputError, match="max_position_embeddings=512"):
         eng.verify([req], [deep_chain_tree(req.root_token, 10, 1)])
-    assert_unchanged(req, snap)
+    assert_unchanged(eng, req, snap)
 
 
 def test_bad_commits_leave_state_unchanged(setup):
     _, eng, req = setup
     other = eng.prefill(prompt(20, 2))
-    snaps = [snapshot(req), snapshot(other)]
+    snaps = [snapshot(eng, req), snapshot(eng, other)]
     trees = [random_tree(req.root_token, 10, 4, 3, 5), random_tree(other.root_token, 10, 4, 3, 6)]
     out = eng.verify([req, other], trees)
     accs = eng.accept_greedy([req, other], trees, out)
@@ -125,7 +125,7 @@ def test_bad_commits_leave_state_unchanged(setup):
     with pytest.raises(dt.InputError, match="vocabulary"):
         eng.commit([req, other], [accs[0], dt.Acceptance((0,), 10**6, other.request_id, out.verify_id)], out)
     for r, s in zip((req, other), snaps):
-        assert_unchanged(r, s)
+        assert_unchanged(eng, r, s)
     eng.commit([req, other], accs, out)  # still usable
     with pytest.raises(dt.StateError, match="committed since"):
         eng.commit([req, other], accs, out)  # stale: already committed
@@ -133,6 +133,6 @@ def test_bad_commits_leave_state_unchanged(setup):
 
 def test_verify_does_not_mutate(setup):
     _, eng, req = setup
-    snap = snapshot(req)
+    snap = snapshot(eng, req)
     eng.verify([req], [random_tree(req.root_token, 16, 6, 4, 8)])
-    assert_unchanged(req, snap)
+    assert_unchanged(eng, req, snap)

@@ -7,7 +7,7 @@ from cases import engine_for, prompt, small_model
 from dsv4_tree.drafters import NgramDrafter, PlantedDrafter, TreeShape
 from dsv4_tree.generate import truncate
 from dsv4_tree.reference.per_path import sequence_logits
-from dsv4_tree.verify.commit import layer_summary
+from cases import snapshot
 from test_commit import assert_same_state, serial_decode
 
 NEW = 64
@@ -90,10 +90,10 @@ def test_exception_inside_steps_leaves_request_usable(monkeypatch):
     model = small_model()
     eng = engine_for(model, topk=4, steps=5, nodes=8)
     req = eng.prefill(prompt(20, 3))
-    snap = [(k, v.clone()) for lc in req.cache.layers for k, v in layer_summary(lc).items()]
+    snap = [(k, v.clone()) for layer in snapshot(eng, req) for k, v in layer.items()]
     tree = PlantedDrafter(model, TreeShape(4, 5, 8), seed=2).draft(eng, [req])[0]
     import dsv4_tree.engine as engine_mod
-    import dsv4_tree.verify.commit as commit_mod
+    import dsv4_tree.serving.runtime as runtime_mod
 
     def boom(*a, **k):
         raise RuntimeError("injected")
@@ -108,11 +108,11 @@ def test_exception_inside_steps_leaves_request_usable(monkeypatch):
         with pytest.raises(RuntimeError):
             eng.accept_greedy([req], [tree], out)
     acc = eng.accept_greedy([req], [tree], out)
-    with monkeypatch.context() as m:  # inside commit, after computing, before applying
-        m.setattr(commit_mod, "_compressor_update", boom)
+    with monkeypatch.context() as m:  # inside commit, after computing the moves, before applying
+        m.setattr(runtime_mod, "apply_moves", boom)
         with pytest.raises(RuntimeError):
             eng.commit([req], acc, out)
-    now = [(k, v) for lc in req.cache.layers for k, v in layer_summary(lc).items()]
+    now = [(k, v) for layer in snapshot(eng, req) for k, v in layer.items()]
     for (k, a), (_, b) in zip(now, snap):
         assert torch.equal(a, b), k
     eng.commit([req], acc, out)  # the same round still commits

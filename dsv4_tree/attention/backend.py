@@ -6,19 +6,21 @@ from typing import Callable
 
 from ..errors import ConfigError
 from ..reference import ops as ref
+from ..reference import sparse_decode as ref_serving
 
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three hot spots, same signatures in every backend (see reference/ops.py)."""
+    """The three hot spots, same signatures in every backend (see reference/)."""
 
     name: str
-    pool_entries: Callable
-    indexer_topk: Callable
-    sparse_mqa_sink: Callable
+    pool_entries: Callable  # ref_pool_entries
+    indexer_scores: Callable  # ref_indexer_gather_scores
+    sparse_decode: Callable  # ref_sparse_decode
 
 
-TORCH_OPS = AttentionOps("torch", ref.ref_pool_entries, ref.ref_indexer_topk, ref.ref_sparse_mqa_sink)
+TORCH_OPS = AttentionOps("torch", ref.ref_pool_entries, ref_serving.ref_indexer_gather_scores,
+                         ref_serving.ref_sparse_decode)
 
 
 def get_backend(name: str) -> AttentionOps:
@@ -29,5 +31,5 @@ def get_backend(name: str) -> AttentionOps:
             from .. import kernels
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
-        return AttentionOps("triton", kernels.pool_entries, kernels.indexer_topk, kernels.sparse_mqa_sink)
+        return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores, kernels.sparse_decode)
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

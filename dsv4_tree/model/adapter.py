@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from ..cache.state import CompressorState, LayerCache, RequestCache
 from ..errors import CheckpointError, InputError
 from .hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
 
@@ -47,22 +46,21 @@ class Model:
                 out.add(comp.compress_rate)
         return tuple(sorted(out))
 
-    def new_cache(self) -> RequestCache:
-        """An empty committed cache (P = 0)."""
-        dtype, device = self.dtype, self.device
-        layers = []
+    @property
+    def rope_dim(self) -> int:
+        """Channels of a head that carry RoPE (the trailing ones): 2 x the rotary table width."""
+        rot = self.hf.model.rotary_emb
+        return 2 * getattr(rot, "main_inv_freq").numel()
+
+    @property
+    def compressors(self) -> dict:
+        """ratio -> True when that ratio's compressor uses overlapping windows (C4 / CSA)."""
+        out = {}
         for layer in self.hf.model.layers:
-            attn = layer.self_attn
-            comp = attn.compressor
-            lc = LayerCache(torch.empty(0, attn.head_dim, dtype=dtype, device=device))
+            comp = layer.self_attn.compressor
             if comp is not None:
-                overlap = isinstance(comp, DeepseekV4CSACompressor)
-                lc.main = CompressorState.empty(comp.compress_rate, comp.head_dim, overlap, dtype, device)
-                if overlap:
-                    idx = comp.indexer
-                    lc.indexer = CompressorState.empty(idx.compress_rate, idx.head_dim, True, dtype, device)
-            layers.append(lc)
-        return RequestCache(0, layers)
+                out[comp.compress_rate] = isinstance(comp, DeepseekV4CSACompressor)
+        return out
 
 
 def load_model(source, device="cpu", dtype=torch.float32) -> Model:

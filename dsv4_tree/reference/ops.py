@@ -82,6 +82,27 @@ def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, bra
     return selected, valid, ties
 
 
+def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
+    """The tie rule over a per-row candidate table (block order; -inf = no candidate).
+
+    scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
+    lengths [T], ties: a 0-d tensor counting rows whose k-th and (k+1)-th scores are equal or
+    within TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+    t, c = scores.shape
+    k = min(topk, c)
+    if k == 0:
+        return cand[:, :0], cand.new_zeros(t), cand.new_zeros(())
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    valid = torch.isfinite(order_scores[:, :k])
+    selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
+    ties = cand.new_zeros(())
+    if k < c:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
+        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).sum()
+    return selected, valid.sum(1), ties
+
+
 def ref_indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,

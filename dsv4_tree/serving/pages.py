@@ -1,0 +1,124 @@
+"""Page tables: which slots hold each request's positions (host bookkeeping, int tensors).
+
+Two address spaces, both paged with the same `page_size`, SGLang-aligned (a position's offset
+in its page equals its slot's offset in the page):
+  token slots  : req_to_page[row, pos // page_size] * page_size + pos % page_size. Every
+                 position of a live request has one; compressed entries are addressed from
+                 them (serving/pools.py: entry_slot).
+  recent slots : the smaller pool of raw K=V rows and compressor rows (SGLang's SWA pool),
+                 full_to_recent[token page] * page_size + offset; only pages that a future row
+                 can still read (positions >= P - recent_window) keep one.
+Nothing here touches a device; serving/tables.py turns these into per-row index tensors."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import StateError
+from .allocator import PageAllocator
+
+
+class PageTable:
+    def __init__(self, max_requests: int, max_positions: int, page_size: int, num_token_pages: int,
+                 num_recent_pages: int):
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.pages_per_request = -(-max_positions // page_size)
+        self.req_to_page = torch.full((max_requests, self.pages_per_request), -1, dtype=torch.int64)
+        self.full_to_recent = torch.full((num_token_pages,), -1, dtype=torch.int64)
+        self.tokens = PageAllocator("token", num_token_pages, page_size)
+        self.recent = PageAllocator("recent (sliding-window + compressor rows)", num_recent_pages, page_size)
+        self._rows = list(range(max_requests - 1, -1, -1))
+        self.mapped = [0] * max_requests  # token pages mapped per row
+        self.evicted = [0] * max_requests  # leading token pages whose recent page was freed
+
+    # ------------------------------------------------------------------ requests
+    def admit(self) -> int:
+        if not self._rows:
+            raise StateError(f"request table full: {self.max_requests} live requests (SpecConfig.max_requests)")
+        return self._rows.pop()
+
+    def release(self, row: int) -> None:
+        self.shrink([row], [0])
+        self.evicted[row] = 0
+        self._rows.append(row)
+
+    # ------------------------------------------------------------------ growth
+    def ensure(self, rows, lengths) -> None:
+        """Map token + recent pages so positions < lengths[i] of rows[i] have slots; all or nothing."""
+        ps = self.page_size
+        need = [max(0, -(-n // ps) - self.mapped[r]) for r, n in zip(rows, lengths)]
+        for r, n in zip(rows, lengths):
+            if -(-n // ps) > self.pages_per_request:
+                raise StateError(f"position {n - 1} is past the page table ({self.pages_per_request} pages of {ps})")
+        total = sum(need)
+        if total == 0:
+            return
+        self.tokens.check(total)
+        self.recent.check(total)
+        for r, k in zip(rows, need):
+            if k == 0:
+                continue
+            tok = torch.tensor(self.tokens.alloc(k), dtype=torch.int64)
+            rec = torch.tensor(self.recent.alloc(k), dtype=torch.int64)
+            m = self.mapped[r]
+            self.req_to_page[r, m : m + k] = tok
+            self.full_to_recent[tok] = rec
+            self.mapped[r] = m + k
+
+    def shrink(self, rows, lengths) -> None:
+        """Free token pages (and their recent pages) wholly at or past lengths[i]."""
+        ps = self.page_size
+        for r, n in zip(rows, lengths):
+            keep = -(-n // ps)
+            if keep >= self.mapped[r]:
+                continue
+            tok = self.req_to_page[r, keep : self.mapped[r]]
+            rec = self.full_to_recent[tok]
+            self.recent.free(rec[rec >= 0].tolist())
+            self.full_to_recent[tok] = -1
+            self.tokens.free(tok.tolist())
+            self.req_to_page[r, keep : self.mapped[r]] = -1
+            self.mapped[r] = keep
+            self.evicted[r] = min(self.evicted[r], keep)
+
+    def evict(self, rows, keep_from) -> None:
+        """Free the recent pages of token pages wholly before position keep_from[i]."""
+        ps = self.page_size
+        for r, start in zip(rows, keep_from):
+            upto = min(max(0, start) // ps, self.mapped[r])
+            if upto <= self.evicted[r]:
+                continue
+            tok = self.req_to_page[r, self.evicted[r] : upto]
+            self.recent.free(self.full_to_recent[tok].tolist())
+            self.full_to_recent[tok] = -1
+            self.evicted[r] = upto
+
+    # ------------------------------------------------------------------ lookups (vectorised)
+    def token_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token slots of positions (any shape, broadcast with rows); -1 where position < 0."""
+        ps = self.page_size
+        ok = positions >= 0
+        pos = positions.clamp(min=0)
+        page = self.req_to_page[rows, pos // ps]
+        return torch.where(ok & (page >= 0), page * ps + pos % ps, torch.full_like(pos, -1))
+
+    def recent_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """Recent-pool slot of each token slot (-1 where none)."""
+        ps = self.page_size
+        ok = token_slots >= 0
+        s = token_slots.clamp(min=0)
+        page = self.full_to_recent[s // ps]
+        return torch.where(ok & (page >= 0), page * ps + s % ps, torch.full_like(s, -1))
+
+    def full_to_swa_mapping(self) -> torch.Tensor:
+        """SGLang's per-slot full -> SWA mapping (int64 [num token slots], -1 = none)."""
+        ps = self.page_size
+        off = torch.arange(ps)
+        rec = self.full_to_recent.unsqueeze(1)
+        return torch.where(rec >= 0, rec * ps + off, torch.full_like(rec * ps + off, -1)).flatten()
+
+    def req_to_token(self, length: int | None = None) -> torch.Tensor:
+        """SGLang's req_to_token table (int64 [max_requests, positions]), -1 where unmapped."""
+        n = self.pages_per_request * self.page_size if length is None else length
+        rows = torch.arange(self.max_requests).unsqueeze(1)
+        return self.token_slots(rows.expand(-1, n), torch.arange(n).expand(self.max_requests, -1))

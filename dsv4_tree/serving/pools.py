@@ -1,0 +1,112 @@
+"""Per-layer pools of one model: storage only (slots and bytes; no requests, no trees).
+
+Per layer: `swa` (raw K=V rows, recent slots), and per compressor (a C4 layer's main
+compressor and indexer, a C128 layer's compressor) its projected kv/gate rows (recent slots,
+model dtype, gate without position bias) and its entry pool (pooled entries, or indexer keys).
+Entry pools hold committed entries at slots derived from token slots (`Layout.entry_slot`)
+followed by per-request scratch slots for the entries a verify closes inside its trees."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from .kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Address arithmetic shared by tables, layers and commit (pure ints)."""
+
+    page_size: int
+    window: int  # W
+    recent_window: int  # R: positions before P a future row may still read (window, compressor rows)
+    ratios: dict  # ratio -> overlap (C4 style) bool
+    num_token_pages: int
+    scratch_per_request: int  # S: entry scratch slots per request row (>= nodes per call)
+    max_requests: int
+
+    def entries_per_page(self, ratio: int) -> int:
+        return max(1, self.page_size // ratio)
+
+    def committed_entry_slots(self, ratio: int) -> int:
+        return self.num_token_pages * self.entries_per_page(ratio)
+
+    def entry_slot(self, ratio: int, token_slot: torch.Tensor) -> torch.Tensor:
+        """Entry slot of the block whose first position has `token_slot` (SGLang's slot // ratio
+        when page_size % ratio == 0; one entry per page when the block spans pages)."""
+        ps = self.page_size
+        return (token_slot // ps) * self.entries_per_page(ratio) + (token_slot % ps) // ratio
+
+    def scratch_slot(self, ratio: int, row: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+        return self.committed_entry_slots(ratio) + row * self.scratch_per_request + node
+
+
+@dataclass
+class CompressorPools:
+    ratio: int
+    overlap: bool
+    head_dim: int
+    rows_kv: torch.Tensor  # [recent slots, channels] projected rows (model dtype)
+    rows_gate: torch.Tensor  # [recent slots, channels] gate logits without position bias
+    entries: KVPool  # [entry slots + scratch, head_dim]
+
+    def write_rows(self, slots: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        self.rows_kv.index_copy_(0, slots, kv)
+        self.rows_gate.index_copy_(0, slots, gate)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.rows_kv.index_copy_(0, dst, self.rows_kv[src])
+        self.rows_gate.index_copy_(0, dst, self.rows_gate[src])
+
+
+@dataclass
+class LayerPools:
+    swa: KVPool  # [recent slots, head_dim]
+    main: CompressorPools | None = None
+    indexer: CompressorPools | None = None
+
+    @property
+    def compressors(self) -> tuple:
+        return tuple(c for c in (self.main, self.indexer) if c is not None)
+
+
+def check_page_size(page_size: int, ratios) -> None:
+    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        raise ConfigError(f"page_size must be a power of two, got {page_size!r}")
+    for m in ratios:
+        if page_size % m and m % page_size:
+            raise ConfigError(f"page_size={page_size} and compress ratio {m} must divide one another")
+
+
+def build_pools(model, layout: Layout, num_recent_pages: int, kv_dtype: str) -> list:
+    """Zeroed pools for every layer of `model` on its device and dtype."""
+    from ..model.hf_bindings import DeepseekV4CSACompressor
+
+    ps, dev, dt = layout.page_size, model.device, model.dtype
+    recent = num_recent_pages * ps
+    rope = model.rope_dim
+    out = []
+    for layer in model.hf.model.layers:
+        attn = layer.self_attn
+        lp = LayerPools(KVPool(recent, attn.head_dim, rope, kv_dtype, ps, dev, dt))
+        comp = attn.compressor
+        if comp is not None:
+            m = comp.compress_rate
+            overlap = isinstance(comp, DeepseekV4CSACompressor)
+            n_ent = layout.committed_entry_slots(m) + layout.max_requests * layout.scratch_per_request
+            ch = 2 * comp.head_dim if overlap else comp.head_dim
+
+            def rows(width):
+                return torch.zeros(recent, width, dtype=dt, device=dev)
+
+            lp.main = CompressorPools(m, overlap, comp.head_dim, rows(ch), rows(ch),
+                                      KVPool(n_ent, comp.head_dim, rope, kv_dtype, ps, dev, dt))
+            if overlap:
+                idx = comp.indexer
+                ich = 2 * idx.head_dim
+                lp.indexer = CompressorPools(m, True, idx.head_dim, rows(ich), rows(ich),
+                                             KVPool(n_ent, idx.head_dim, 0, kv_dtype, ps, dev, dt, kind="index_key"))
+        out.append(lp)
+    return out
