@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.cache.synth import synthetic_cache
-from dsv4_tree.engine import Request
+from dsv4_tree.serving.synth import committed_bytes, synthetic_request
 from dsv4_tree.model.tiny import random_model
 from dsv4_tree.tree import TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees
 from dsv4_tree.tree.simulate import simulated_eagle_draft
@@ -91,16 +90,6 @@ class PeakMemory:
         raise RuntimeError(key)
 
 
-def cache_bytes(cache) -> int:
-    total = 0
-    for lc in cache.layers:
-        total += lc.window.numel() * lc.window.element_size()
-        for st in (lc.main, lc.indexer):
-            if st is not None:
-                total += st.entries.rows.numel() * st.entries.rows.element_size()
-    return total
-
-
 def sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -153,6 +142,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per provider")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
+                    help="pool storage of K=V rows and compressed entries")
     ap.add_argument("--plot", default="bench_out/bench_verify.png", help="PNG path ('' to skip)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -167,10 +158,12 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     t0 = time.perf_counter()
     model = bench_model(args.layers, args.device, dtype)
-    engine = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64))
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64, max_requests=2,
+                         max_total_tokens=max(contexts) + 1024, kv_cache_dtype=args.kv_cache_dtype)
+    engine = dt.Engine(model, spec)
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
-    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; {args.layers} layers "
+    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; kv {args.kv_cache_dtype}; {args.layers} layers "
           f"(64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128); model built in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
     records = []
@@ -178,9 +171,8 @@ def main(argv=None):
               f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8}")
     lines = []
     for ctx in contexts:
-        cache = synthetic_cache(model, ctx, seed=ctx)
-        req = Request(torch.randint(2, 1000, (ctx,)), 5, cache)
-        base = cache_bytes(cache)
+        req = synthetic_request(engine, ctx, seed=ctx)
+        base = committed_bytes(engine, ctx)
         for n in nodes:
             for shape in (("tree", "chain") if n > 1 and not args.quick else ("tree",)):
                 tree = eagle_tree(5, n) if shape == "tree" else dt.DraftTree.chain([5] + list(range(2, n + 1)))
@@ -197,7 +189,8 @@ def main(argv=None):
                         f"{rec['per_path_over_tree']:>9.2f} {mem['tree'] / 2**20:>8.1f} {mem['chain'] / 2**20:>8.1f}")
                 lines.append(line)
                 print(line if len(lines) > 1 else header + "\n" + line, file=sys.stderr, flush=True)
-        del cache, req
+        engine.release(req)
+        del req
         gc.collect()
     print(f"machine: {machine}; {dtype}; medians of {reps} interleaved repetitions; "
           "R = rows over all root-to-leaf paths / N; MB = peak memory above the committed state during one call")
@@ -210,7 +203,7 @@ def main(argv=None):
     head = min(trees, key=lambda r: abs(r["context"] - 65536))
     summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
                                     "extra_mem_frac", "context", "N")}
-    summary.update(machine=machine, dtype=str(dtype), records=records)
+    summary.update(machine=machine, dtype=str(dtype), kv_cache_dtype=args.kv_cache_dtype, records=records)
     print(json.dumps(summary))
 
 

@@ -150,8 +150,7 @@ class Engine:
         keep = self.model.window + 1 if hidden_rows is None else hidden_rows
         ids = self._as_prompt(prompt_ids)
         rt = self.runtime
-        req = Request(ids[:0].clone(), int(ids[-1]), rt.admit())
-        req.finalizer = weakref.finalize(req, rt.release_row, req.row)
+        req = self.adopt(ids[:0].clone(), int(ids[-1]), rt.admit())
         try:
             body = ids[:-1]
             chunk = self.spec.prefill_chunk
@@ -174,6 +173,13 @@ class Engine:
             raise
         req.new_hidden = torch.cat(hidden)[-keep:] if hidden else None
         req.prefill_topk_ties = int(sum(ties)) if ties else 0
+        return req
+
+    def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
+        """A Request owning page-table row `row` (slots return to the pools when it is released
+        or garbage-collected)."""
+        req = Request(tokens, root_token, row, seq_len)
+        req.finalizer = weakref.finalize(req, self.runtime.release_row, row)
         return req
 
     def plan(self, requests, trees) -> VerifyPlan:

@@ -43,27 +43,31 @@ class PageTable:
         self._rows.append(row)
 
     # ------------------------------------------------------------------ growth
-    def ensure(self, rows, lengths) -> None:
-        """Map token + recent pages so positions < lengths[i] of rows[i] have slots; all or nothing."""
+    def ensure(self, rows, lengths, recent_from=None) -> None:
+        """Map token pages so positions < lengths[i] of rows[i] have slots, and give every new
+        page that reaches position recent_from[i] or later a recent page; all or nothing."""
         ps = self.page_size
-        need = [max(0, -(-n // ps) - self.mapped[r]) for r, n in zip(rows, lengths)]
-        for r, n in zip(rows, lengths):
-            if -(-n // ps) > self.pages_per_request:
+        recent_from = [0] * len(rows) if recent_from is None else list(recent_from)
+        plan = []
+        for r, n, start in zip(rows, lengths, recent_from):
+            pages = -(-n // ps)
+            if pages > self.pages_per_request:
                 raise StateError(f"position {n - 1} is past the page table ({self.pages_per_request} pages of {ps})")
-        total = sum(need)
-        if total == 0:
-            return
-        self.tokens.check(total)
-        self.recent.check(total)
-        for r, k in zip(rows, need):
-            if k == 0:
+            new = range(self.mapped[r], pages)
+            plan.append((r, new, [k for k in new if (k + 1) * ps > start]))
+        self.tokens.check(sum(len(new) for _, new, _ in plan))
+        self.recent.check(sum(len(rec) for _, _, rec in plan))
+        for r, new, with_recent in plan:
+            if not new:
                 continue
-            tok = torch.tensor(self.tokens.alloc(k), dtype=torch.int64)
-            rec = torch.tensor(self.recent.alloc(k), dtype=torch.int64)
-            m = self.mapped[r]
-            self.req_to_page[r, m : m + k] = tok
-            self.full_to_recent[tok] = rec
-            self.mapped[r] = m + k
+            tok = torch.tensor(self.tokens.alloc(len(new)), dtype=torch.int64)
+            self.req_to_page[r, new.start : new.stop] = tok
+            if with_recent:
+                ks = torch.tensor(with_recent) - new.start
+                self.full_to_recent[tok[ks]] = torch.tensor(self.recent.alloc(len(with_recent)), dtype=torch.int64)
+            if self.evicted[r] == new.start:  # leading pages that never got a recent page
+                self.evicted[r] = with_recent[0] if with_recent else new.stop
+            self.mapped[r] = new.stop
 
     def shrink(self, rows, lengths) -> None:
         """Free token pages (and their recent pages) wholly at or past lengths[i]."""
@@ -89,7 +93,8 @@ class PageTable:
             if upto <= self.evicted[r]:
                 continue
             tok = self.req_to_page[r, self.evicted[r] : upto]
-            self.recent.free(self.full_to_recent[tok].tolist())
+            rec = self.full_to_recent[tok]
+            self.recent.free(rec[rec >= 0].tolist())
             self.full_to_recent[tok] = -1
             self.evicted[r] = upto
 

@@ -44,7 +44,8 @@ class ServingRuntime:
 
     def plan(self, rows, seq_lens, trees) -> VerifyPlan:
         """Map the draft slots (positions P .. P+N-1) of every request, then build the tables."""
-        self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)])
+        r = self.layout.recent_window
+        self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - r for p in seq_lens])
         return build_tables(trees, seq_lens, rows, self.pages, self.layout)
 
     @torch.no_grad()
