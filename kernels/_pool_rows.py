@@ -42,11 +42,6 @@ class PoolFormat:
     def kernel_args(self) -> tuple:
         return (self.storage, self.page_size, self.page_bytes, self.data_bytes, self.scale_bytes, self.fp8_dim, self.tile)
 
-    @property
-    def bf16_exact(self) -> bool:
-        """Every stored value is exactly representable in bfloat16 (bf16 rows, e4m3 x power of two)."""
-        return self.fmt != FLOAT_ROWS or self.storage.dtype == torch.bfloat16
-
 
 def pool_format(name: str, pool) -> PoolFormat:
     """Check a pool's public attributes and describe it to the kernels (InputError names `name`)."""

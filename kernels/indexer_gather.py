@@ -4,8 +4,8 @@
 
 One program per (row, tile of BC candidates): the row's query heads [HI, dI] stay in registers,
 the candidates' keys are gathered from pool storage (FP8 KV or indexer-key records dequantised in
-the kernel), and the head-weighted ReLU sum is reduced in place. fp32 dots use
-`input_precision="ieee"`; bf16 queries over bf16-exact pools dot in bf16 (fp32 accumulate).
+the kernel), and the head-weighted ReLU sum is reduced in place. Dots take fp32 inputs with
+`input_precision="ieee"` (never TF32); bf16 queries are widened (see sparse_decode.py).
 Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ._pool_rows import load_pool_rows, pool_format
 @triton.jit
 def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
                            k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-                           FMT: tl.constexpr, BF16: tl.constexpr,
+                           FMT: tl.constexpr,
                            BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -36,10 +36,7 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
     ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
     ok = ids >= 0
     keys = load_pool_rows(k_ptr, ids, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
-    if BF16:
-        dots = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
-    else:
-        dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
+    dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
     score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
     score = tl.where(ok, score, float("-inf"))
     tl.store(out_ptr + t.to(tl.int64) * C + rc, score, mask=cmask)
@@ -64,8 +61,7 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
     if t == 0 or c == 0:
         return out
     bc = 16
-    bf16 = q.dtype == torch.bfloat16 and fmt.bf16_exact
     _indexer_gather_kernel[(t, triton.cdiv(c, bc))](
         q, weights, cand, out, h, d, c, float(scale), *fmt.kernel_args(),
-        FMT=fmt.fmt, BF16=bf16, BH=pow2(h), BC=bc, BD=pow2(d))
+        FMT=fmt.fmt, BH=pow2(h), BC=bc, BD=pow2(d))
     return out

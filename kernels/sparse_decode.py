@@ -7,8 +7,9 @@ then the one into the extra pool (C4 / C128 entries), `BK` slots per step and on
 length; each tile of K=V rows is read straight from pool storage (FP8 records dequantised in the
 kernel, `_pool_rows.py`), folded in with an online softmax, and the sink is merged at the end:
 out = acc / (l + e^(sink - m)),  lse = m + log(l) (real keys only; +inf for a row with no key).
-Dot precision: fp32 rows use `input_precision="ieee"` (never TF32); with bf16 queries and pools
-whose values are bf16-exact (bf16 rows, FP8 records) the dots take bf16 inputs, fp32 accumulate.
+Dots take fp32 inputs with `input_precision="ieee"` (never TF32), whatever the storage dtype: keys
+are dequantised to fp32 and bf16 queries widened (bf16 dot inputs would be exact for bf16 / FP8
+pools, but the interpreter's bf16 tl.dot is wrong in triton 3.9, so that path could not be tested).
 Nothing here synchronises the host: every size comes from a tensor shape.
 Reference: dsv4_tree.reference.sparse_decode.ref_sparse_decode."""
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ._pool_rows import PoolFormat, load_pool_rows, pool_format
 
 @triton.jit
 def _attend(q, m_i, l_i, acc, t, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES,
-            FP8_DIM, TILE, D, scale, rd, FMT: tl.constexpr, BF16: tl.constexpr, BK: tl.constexpr):
+            FP8_DIM, TILE, D, scale, rd, FMT: tl.constexpr, BK: tl.constexpr):
     """Fold row t's keys of one pool into the running (m, l, acc) of a head block."""
     n_keys = tl.minimum(tl.load(len_ptr + t).to(tl.int32), K)
     for k0 in range(0, n_keys, BK):
@@ -33,23 +34,14 @@ def _attend(q, m_i, l_i, acc, t, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, 
         idx = tl.load(idx_ptr + t.to(tl.int64) * K + rk, mask=rk < n_keys, other=-1)
         ok = idx >= 0
         kv = load_pool_rows(kv_ptr, idx, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
-        if BF16:
-            kv_in = kv.to(tl.bfloat16)
-            logits = tl.dot(q, tl.trans(kv_in))
-        else:
-            kv_in = kv
-            logits = tl.dot(q, tl.trans(kv_in), input_precision="ieee")
+        logits = tl.dot(q, tl.trans(kv), input_precision="ieee")
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on rows without keys yet
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if BF16:
-            pv = tl.dot(p.to(tl.bfloat16), kv_in)
-        else:
-            pv = tl.dot(p, kv_in, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
         m_i = m_new
     return m_i, l_i, acc
 
@@ -59,7 +51,7 @@ def _sparse_decode_kernel(
     q_ptr, sink_ptr, out_ptr, lse_ptr, H, D, scale,
     idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
     xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE,
-    FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr, BF16: tl.constexpr,
+    FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -68,18 +60,15 @@ def _sparse_decode_kernel(
     hmask = rh < H
     qrow = t.to(tl.int64) * H + rh
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
-    if BF16:
-        q = q.to(tl.bfloat16)
-    else:
-        q = q.to(tl.float32)
+    q = q.to(tl.float32)
     m_i = tl.full((BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BD), tl.float32)
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES,
-                            SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, BF16, BK)
+                            SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, BK)
     if HAS_EXTRA:
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES,
-                                XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE, D, scale, rd, XFMT, BF16, BK)
+                                XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE, D, scale, rd, XFMT, BK)
     sink = tl.load(sink_ptr + rh, mask=hmask, other=0.0).to(tl.float32)
     m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i + tl.exp(sink - m_ref)
@@ -132,11 +121,10 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0 or h == 0:
         return out, lse
-    bf16 = q.dtype == torch.bfloat16 and main.bf16_exact and extra.bf16_exact
     bh = 16  # tl.dot needs M >= 16; padded heads are masked
     _sparse_decode_kernel[(t, triton.cdiv(h, bh))](
         q, sinks, out, lse, h, d, float(scale),
         indices, lengths, indices.shape[1], *main.kernel_args(),
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
-        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, BF16=bf16, BH=bh, BK=16, BD=pow2(d))
+        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, BH=bh, BK=16, BD=pow2(d))
     return out, lse
