@@ -15,7 +15,7 @@ import triton.language as tl
 
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, pow2
+from ._launch import INDEX, check, check_device, check_scale, pow2
 from ._pool_rows import load_pool_rows, pool_format
 
 
@@ -46,6 +46,7 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
     """Same contract as ref_indexer_gather_scores -> [T, C] fp32 (-inf where cand < 0)."""
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
+    check_scale(scale)
     check("weights", weights, 2, (torch.float32,))
     if tuple(weights.shape) != (t, h):
         raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")

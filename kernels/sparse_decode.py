@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, pow2
+from ._launch import INDEX, check, check_device, check_scale, pow2
 from ._pool_rows import PoolFormat, load_pool_rows, pool_format
 
 
@@ -99,6 +99,7 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     """Same contract as ref_sparse_decode -> (out [T, H, d] in q.dtype, lse [T, H] fp32)."""
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
+    check_scale(scale)
     main = _pool_for("kv", kv, d)
     _check_table("indices", indices, "lengths", lengths, t)
     check("sinks", sinks, 1, (torch.float32,))

@@ -91,7 +91,7 @@ def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def _blocks(x: torch.Tensor, width: int, block: int) -> torch.Tensor:
     n = x.shape[0]
-    return torch.nn.functional.pad(x, (0, _ceil_to(width, block) - width)).view(n, -1, block)
+    return torch.nn.functional.pad(x, (0, _ceil_to(width, block) - width)).view(n, -(-width // block), block)
 
 
 def _encode(rows: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,6 +122,16 @@ def test_rows_without_keys_output_zero():
         assert torch.equal(lse, torch.full_like(lse, float("inf")))
 
 
+@pytest.mark.parametrize("empty", ("indices", "extra_indices"))
+def test_zero_width_index_table(empty):
+    args = decode_case("fp8_e4m3", 16, True, t=4, k=5, k2=6, seed=3)
+    args[empty] = args[empty][:, :0].contiguous()
+    want_out, want_lse = ref_sparse_decode(**args)
+    got_out, got_lse = kernels.sparse_decode(**args)
+    assert_close(got_out, want_out, f"{empty=}")
+    assert_close(got_lse, want_lse, f"{empty=}")
+
+
 def test_bf16_queries():
     args = decode_case("bfloat16", 16, True, seed=11)
     args["q"] = args["q"].bfloat16()
@@ -202,6 +212,8 @@ def test_bad_input_names_the_argument():
     for name, change in bad.items():
         with pytest.raises(InputError, match=name):
             kernels.sparse_decode(**{**args, **change})
+    with pytest.raises(InputError, match="scale"):
+        kernels.sparse_decode(**{**args, "scale": torch.tensor(0.1)})  # a device scalar would sync the host
     with pytest.raises(InputError, match="together"):
         kernels.sparse_decode(**{**args, "extra_lengths": None})
     broken = make_pool(8, 136, 32, "fp8_e4m3", 16)

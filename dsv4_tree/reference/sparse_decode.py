@@ -15,6 +15,8 @@ def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch
     """indices [T, K], lengths [T] -> (rows [T, K, d] fp32, valid [T, K]); columns >= lengths[t] and -1 are invalid."""
     cols = torch.arange(indices.shape[1], device=indices.device)
     valid = (indices >= 0) & (cols.unsqueeze(0) < lengths.unsqueeze(1))
+    if indices.shape[1] == 0:
+        return torch.zeros(*indices.shape, pool.head_dim, device=indices.device), valid
     slots = torch.where(valid, indices.long(), -1)
     return pool.read(slots).float(), valid
 
