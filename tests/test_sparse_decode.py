@@ -198,6 +198,28 @@ def test_indexer_gather_reference_equals_indexer_scores():
         assert torch.allclose(got[t][ok], dense, rtol=1e-6, atol=1e-6), f"{t=}"
 
 
+def test_indexer_gather_equals_transformers_scorer():
+    # transformers' DeepseekV4IndexerScorer on the same keys: weights = weights_proj(h) * H^-0.5,
+    # scale = index_head_dim^-0.5 (both its own attributes), every key a candidate
+    from dsv4_tree.model.hf_bindings import DeepseekV4Indexer
+    from dsv4_tree.model.tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    scorer = DeepseekV4Indexer(cfg).scorer
+    s, e, h, d = 5, 11, cfg.index_n_heads, cfg.index_head_dim
+    q, kv, hidden = torch.randn(1, s, h, d), torch.randn(1, e, d), torch.randn(1, s, cfg.hidden_size)
+    with torch.no_grad():
+        want = scorer(q, kv, hidden)[0]  # [S, E]
+        weights = scorer.weights_proj(hidden[0]).float() * scorer.weights_scaling
+    keys = make_pool(e, d, 0, "auto", 16)
+    keys.write(torch.arange(e, device=DEV), kv[0].to(DEV))
+    cand = torch.arange(e, dtype=torch.int32).expand(s, e).contiguous().to(DEV)
+    for fn in (ref_indexer_gather_scores, kernels.indexer_gather_scores):
+        got = fn(q[0].to(DEV), weights.to(DEV), keys, cand, scorer.softmax_scale)
+        assert_close(got.cpu(), want, fn.__name__)
+
+
 def test_bad_input_names_the_argument():
     args = decode_case("fp8_e4m3", 16, True, t=3, k=5, k2=4)
     bad = {
