@@ -35,6 +35,12 @@ def check(name: str, t: torch.Tensor, dims: int, dtypes=None, contiguous: bool =
         raise InputError(f"{name} must be contiguous (strides {t.stride()})")
 
 
+def check_scale(scale) -> None:
+    """A softmax / score scale must be a host number: reading a device scalar would sync the host."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InputError(f"scale must be a Python float, got {type(scale).__name__}")
+
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32, torch.int64)
 

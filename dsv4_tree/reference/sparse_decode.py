@@ -1,44 +1,66 @@
-"""Torch references of the serving-layout ops (FlashMLA sparse-decode argument form)."""
+"""Torch references of the serving-layout ops that read paged KV pools (FlashMLA argument form).
+
+  ref_sparse_decode          -- MQA with a per-head sink over per-row index lists into one or two
+                                pools (main: SWA rows; extra: C4 / C128 entries), K = V
+  ref_indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
+
+Pools are read only through `pool.read(slots)` (dequantised rows in the pool's compute dtype,
+slot -1 -> zeros), so these references hold for every storage dtype; the math is fp32."""
 from __future__ import annotations
 
 import torch
 
 
-def _gather(pool, indices: torch.Tensor, lengths: torch.Tensor):
+def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, K], lengths [T] -> (rows [T, K, d] fp32, valid [T, K]); columns >= lengths[t] and -1 are invalid."""
     cols = torch.arange(indices.shape[1], device=indices.device)
     valid = (indices >= 0) & (cols.unsqueeze(0) < lengths.unsqueeze(1))
-    return pool.read(torch.where(valid, indices, -1)), valid
+    if indices.shape[1] == 0:
+        return torch.zeros(*indices.shape, pool.head_dim, device=indices.device), valid
+    slots = torch.where(valid, indices.long(), -1)
+    return pool.read(slots).float(), valid
 
 
 def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
-    """Shared-KV MQA (K = V) over per-row slot lists into paged pools, with a per-head sink.
+    """Sparse MQA with a per-head sink, FlashMLA's sparse-decode arguments and return convention.
 
-    q [T, H, d]; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t] ignored);
-    extra_*: a second pool and its lists (C4 / C128 entries); sinks [H]: logit of a zero-value key.
-    Returns (out [T, H, d] in q.dtype, lse [T, H] fp32 over real keys only)."""
-    keys, valid = _gather(kv, indices, lengths)
+    q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
+    ignored); lengths [T] int; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into
+    a second pool (or all None); sinks [H] fp32: logit of a zero-value key per head; scale: float.
+    Returns (out [T, H, d] in q.dtype, lse [T, H] fp32). lse is the log-sum-exp of the real keys'
+    logits only (+inf for a row with no key, as FlashMLA); the sink enters the output as
+    out = softmax-average * e^lse / (e^lse + e^sink), i.e. the softmax over keys + sink with a
+    zero value for the sink. A row with no key gets out = 0."""
+    rows, valid = _row_keys(kv, indices, lengths)
     if extra_kv is not None:
-        ek, ev = _gather(extra_kv, extra_indices, extra_lengths)
-        keys, valid = torch.cat([keys, ek], 1), torch.cat([valid, ev], 1)
-    logits = torch.matmul(q, keys.transpose(1, 2)) * scale  # [T, H, K]
+        xrows, xvalid = _row_keys(extra_kv, extra_indices, extra_lengths)
+        rows, valid = torch.cat([rows, xrows], 1), torch.cat([valid, xvalid], 1)
+    qf = q.float()
+    logits = torch.matmul(qf, rows.transpose(1, 2)) * scale  # [T, H, K + K2]
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    t, h = q.shape[:2]
-    sink = sinks.to(q.dtype).view(1, h, 1).expand(t, h, 1)
-    full = torch.cat([logits, sink], -1)
-    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)
-    out = torch.matmul(probs[..., :-1], keys)
-    return out, torch.logsumexp(logits.float(), dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)  # [T, H]; -inf where no key
+    sink = sinks.float().view(1, -1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)  # normaliser of keys + sink
+    probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill(~valid.unsqueeze(1), 0.0)
+    out = torch.matmul(probs, rows)  # [T, H, d]
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return out.to(q.dtype), lse
 
 
-def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 4096):
-    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[cand[t, c]]), -inf where
-    cand < 0. q [T, HI, dI]; weights [T, HI] fp32; keys a pool; cand [T, C]. -> [T, C] fp32"""
+def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[cand[t, c]]), -inf where cand < 0.
+
+    q [T, HI, dI]; weights [T, HI] (the indexer's per-head weights, already including its
+    head-count scaling, as transformers' DeepseekV4IndexerScorer computes them); keys: a KVPool of
+    indexer keys; cand [T, C] int slots (-1 = none); scale: float (index_head_dim ** -0.5).
+    Returns [T, C] fp32. Candidates are processed `chunk` columns at a time, so the [T, HI, chunk]
+    intermediate stays bounded."""
     t, c = cand.shape
-    out = torch.full((t, c), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.empty(t, c, dtype=torch.float32, device=q.device)
     qf, wf = q.float(), weights.float().unsqueeze(-1)
-    for s in range(0, c, chunk):
-        idx = cand[:, s : s + chunk]
-        k = keys.read(idx).float()  # [T, c', dI]
-        sc = (torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale * wf).sum(1)
-        out[:, s : s + chunk] = sc.masked_fill(idx < 0, float("-inf"))
+    for start in range(0, c, chunk):
+        ids = cand[:, start : start + chunk]
+        k = keys.read(torch.where(ids < 0, -1, ids.long())).float()  # [T, chunk, dI]
+        s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
+        out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
     return out

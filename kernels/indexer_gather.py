@@ -1,0 +1,68 @@
+"""Lightning-indexer scores of per-row candidate lists read from a paged key pool.
+
+    score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[cand[t, c]]),  -inf where cand < 0
+
+One program per (row, tile of BC candidates): the row's query heads [HI, dI] stay in registers,
+the candidates' keys are gathered from pool storage (FP8 KV or indexer-key records dequantised in
+the kernel), and the head-weighted ReLU sum is reduced in place. Dots take fp32 inputs with
+`input_precision="ieee"` (never TF32); bf16 queries are widened (see sparse_decode.py).
+Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_tree.errors import InputError
+
+from ._launch import INDEX, check, check_device, check_scale, pow2
+from ._pool_rows import load_pool_rows, pool_format
+
+
+@triton.jit
+def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
+                           k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
+                           FMT: tl.constexpr,
+                           BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    rh = tl.arange(0, BH)
+    rd = tl.arange(0, BD)
+    hmask = rh < H
+    qrow = t.to(tl.int64) * H + rh
+    q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
+    w = tl.load(w_ptr + qrow, mask=hmask, other=0.0).to(tl.float32)
+    cmask = rc < C
+    ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
+    ok = ids >= 0
+    keys = load_pool_rows(k_ptr, ids, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
+    dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(out_ptr + t.to(tl.int64) * C + rc, score, mask=cmask)
+
+
+def indexer_gather_scores(q, weights, keys, cand, scale):
+    """Same contract as ref_indexer_gather_scores -> [T, C] fp32 (-inf where cand < 0)."""
+    check("q", q, 3, (torch.float32, torch.bfloat16))
+    t, h, d = q.shape
+    check_scale(scale)
+    check("weights", weights, 2, (torch.float32,))
+    if tuple(weights.shape) != (t, h):
+        raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
+    check("cand", cand, 2, INDEX)
+    if cand.shape[0] != t:
+        raise InputError(f"cand has {cand.shape[0]} rows, q has {t}")
+    fmt = pool_format("keys", keys)
+    if fmt.head_dim != d:
+        raise InputError(f"keys has head_dim {fmt.head_dim}, q has head_dim {d}")
+    check_device(q, weights, cand, fmt.storage)
+    c = cand.shape[1]
+    out = torch.empty(t, c, dtype=torch.float32, device=q.device)
+    if t == 0 or c == 0:
+        return out
+    bc = 16
+    _indexer_gather_kernel[(t, triton.cdiv(c, bc))](
+        q, weights, cand, out, h, d, c, float(scale), *fmt.kernel_args(),
+        FMT=fmt.fmt, BH=pow2(h), BC=bc, BD=pow2(d))
+    return out
