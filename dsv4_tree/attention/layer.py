@@ -46,7 +46,7 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     pools.indexer.entries.write(ct.entry_out, keys)
     ccos, csin = rope.rows["compress"]
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
-    iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1)  # [T, HI, dI]
+    iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
     scores = ops.indexer_scores(iq, iw, pools.indexer.entries, ct.entries, idx.scorer.softmax_scale)
     return select_topk_table(scores, ct.entries, idx.index_topk)
@@ -60,7 +60,7 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
     cos, sin = rope.rows[attn.rope_layer_type]
     q_res = attn.q_a_norm(attn.q_a_proj(x))
     q = attn.q_b_norm(attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
-    q = apply_rope(q, cos, sin)[0].transpose(0, 1)  # [T, H, d]
+    q = apply_rope(q, cos, sin)[0].transpose(0, 1).contiguous()  # [T, H, d]
     pools.swa.write(plan.out_loc, kv_rows(attn, x, cos, sin, apply_rope))
     extra = extra_index = extra_len = ties = None
     if attn.compressor is not None:

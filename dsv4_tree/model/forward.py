@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 
 from ..attention.layer import RowRope, attention_rows
@@ -42,20 +44,39 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
     return h, ties
 
 
+@contextlib.contextmanager
+def experts_implementation(model, name: str):
+    """Run the routed experts with transformers' `name` implementation inside the block (the
+    default "batched_mm" gathers each row's expert weights: no host synchronisation, no
+    data-dependent shapes, per-row results independent of the batch), restoring it after."""
+    cfg = model.hf.config
+    before = cfg._experts_implementation
+    if name == "eager" or before == name:
+        yield
+        return
+    cfg._experts_implementation = name
+    try:
+        yield
+    finally:
+        cfg._experts_implementation = before
+
+
 @torch.no_grad()
-def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None) -> RowsRun:
+def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None,
+             experts: str = "batched_mm") -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
-    logit_rows: packed rows to keep logits for (device tensor)."""
+    logit_rows: packed rows to keep logits for (device tensor); experts: see experts_implementation."""
     hf = model.hf.model
     ids = plan.input_ids.unsqueeze(0)
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
     ties = torch.zeros((), dtype=torch.int64, device=emb.device)
-    for layer, layer_pools in zip(hf.layers, pools):
-        h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
-        if n_ties is not None:
-            ties = ties + n_ties
+    with experts_implementation(model, experts):
+        for layer, layer_pools in zip(hf.layers, pools):
+            h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
+            if n_ties is not None:
+                ties = ties + n_ties
     hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows]

@@ -16,6 +16,7 @@ class KVPool:
         self.num_slots, self.head_dim, self.rope_dim = num_slots, head_dim, rope_dim
         self.kv_dtype, self.page_size, self.kind = kv_dtype, page_size, kind
         self.compute_dtype = compute_dtype
+        self.layout = None
         store = compute_dtype if kv_dtype == "auto" else torch.bfloat16
         self.storage = torch.zeros(num_slots, head_dim, dtype=store, device=device)
         self.bytes_per_token = head_dim * self.storage.element_size()
