@@ -32,6 +32,9 @@ class SpecConfig:
     max_requests:      live requests the pools are sized for.
     max_total_tokens:  committed + draft positions over all live requests the pools hold
                        (None: min(max_requests * max_position_embeddings, 2**18)).
+    cuda_graph_max_bs: verify batches of at most this many requests are padded to static-shape
+                       buckets (requests to a power of two, nodes to num_draft_tokens) and, on
+                       CUDA, replayed from a captured graph per bucket; 0 = off.
     """
 
     eagle_topk: int = 1
@@ -45,9 +48,11 @@ class SpecConfig:
     page_size: int = 256
     max_requests: int = 64
     max_total_tokens: int | None = None
+    cuda_graph_max_bs: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("eagle_topk", "num_steps", "prefill_chunk", "page_size", "max_requests"):
+        for name in ("eagle_topk", "num_steps", "prefill_chunk", "page_size", "max_requests",
+                     "cuda_graph_max_bs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"SpecConfig.{name} must be an int, got {value!r}")

@@ -13,6 +13,8 @@ from .errors import InputError, StateError
 from .hooks import validate_spec
 from .model.adapter import Model, load_model
 from .model.forward import RowsRun, run_rows
+from .model.graphs import GraphCache
+from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree.draft_tree import DraftTree
@@ -69,6 +71,7 @@ class Engine:
         self.limits = validate_spec(self.model.config, self.spec)
         self.ops = get_backend(self.spec.attention_backend)
         self.runtime = ServingRuntime(self.model, self.spec, self.limits)
+        self._graphs = None  # GraphCache, created on the first bucketed verify on CUDA
         self._verify_ids = itertools.count(1)
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
 
@@ -192,12 +195,26 @@ class Engine:
         """Device half of verify: one forward over all rows (no host synchronisation inside)."""
         if tuple(r.row for r in requests) != plan.rows or tuple(r.seq_len for r in requests) != plan.seq_lens:
             raise StateError("the plan was built for other requests or an older committed state; plan again")
-        run = run_rows(self.model, plan.to(self.model.device), self.runtime.pools, self.ops)
+        run = self._forward(plan)
         vid = next(self._verify_ids)
         for r in requests:
             r.scratch_owner = vid
         logits = [run.logits[o : o + n] for o, n in zip(plan.offsets, plan.num_nodes)]
         return VerifyOutput(logits, plan, run, tuple(r.request_id for r in requests), plan.seq_lens, vid)
+
+    def _forward(self, plan: VerifyPlan) -> RowsRun:
+        """The verify forward; padded to a static-shape bucket (and on CUDA replayed from a
+        captured graph) when SpecConfig.cuda_graph_max_bs covers the batch."""
+        dev, rt = self.model.device, self.runtime
+        if not 0 < len(plan.num_nodes) <= self.spec.cuda_graph_max_bs:
+            return run_rows(self.model, plan.to(dev), rt.pools, self.ops)
+        bucket = bucket_for(plan, self.limits.max_nodes)
+        padded = pad_plan(plan, bucket, rt.layout).to(dev)
+        if dev.type != "cuda":
+            return run_rows(self.model, padded, rt.pools, self.ops)
+        if self._graphs is None:
+            self._graphs = GraphCache(self.model, rt.pools, self.ops)
+        return self._graphs.run(padded, bucket)
 
     def verify(self, requests, trees) -> VerifyOutput:
         """Logits of every node of every tree; committed state is never changed."""

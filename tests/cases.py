@@ -31,8 +31,11 @@ def snapshot(engine, req) -> list:
     return engine.state_summary(req)
 
 
-def engine_for(model, topk: int = 4, steps: int = 12, nodes: int = 64) -> dt.Engine:
-    return dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+PAGE_SIZES = (256, 16)  # SGLang's, and a small one so page crossings happen at short lengths
+
+
+def engine_for(model, topk: int = 4, steps: int = 12, nodes: int = 64, **spec) -> dt.Engine:
+    return dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, **spec))
 
 
 def prompt(length: int, seed: int) -> torch.Tensor:

@@ -3,24 +3,26 @@ import pytest
 import torch
 
 import dsv4_tree as dt
-from cases import check_against_oracle, deep_chain_tree, engine_for, prompt, small_model
+from cases import PAGE_SIZES, check_against_oracle, deep_chain_tree, engine_for, prompt, small_model
 
 # every residue mod 4, P < W (=8), around multiples of the HCA ratio (=16), and a longer one
 P_VALUES = [0, 1, 2, 3, 5, 6, 7, 14, 15, 16, 17, 31, 32, 33, 47, 63, 64]
 
 
 @pytest.mark.parametrize("P", P_VALUES)
-def test_chain_matches_per_path(P):
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_chain_matches_per_path(P, page_size):
     model = small_model()
-    eng = engine_for(model, topk=1, steps=4, nodes=5)
+    eng = engine_for(model, topk=1, steps=4, nodes=5, page_size=page_size)
     p = prompt(P + 1, seed=P)
     check_against_oracle(model, eng, [p], [deep_chain_tree(int(p[-1]), 4, seed=P)], f"P={P}")
 
 
 @pytest.mark.parametrize("P", [3, 13, 30])
-def test_deep_chain_closes_three_c4_blocks(P):
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_deep_chain_closes_three_c4_blocks(P, page_size):
     model = small_model()
-    eng = engine_for(model, topk=1, steps=12, nodes=13)
+    eng = engine_for(model, topk=1, steps=12, nodes=13, page_size=page_size)
     p = prompt(P + 1, seed=100 + P)
     tree = deep_chain_tree(int(p[-1]), 12, seed=P)
     closing = ((tree.positions(P) + 1) % 4 == 0).sum()

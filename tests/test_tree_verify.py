@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cases import check_against_oracle, engine_for, prompt, random_tree, small_model
+from cases import PAGE_SIZES, check_against_oracle, engine_for, prompt, random_tree, small_model
 
 TREE_CASES = [
     # (P, N, max_depth, max_children, seed)
@@ -19,13 +19,14 @@ TREE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("P,N,depth,kids,seed", TREE_CASES)
-def test_random_tree_matches_per_path(P, N, depth, kids, seed):
+def test_random_tree_matches_per_path(P, N, depth, kids, seed, page_size):
     model = small_model()
-    eng = engine_for(model)
+    eng = engine_for(model, page_size=page_size)
     p = prompt(P + 1, seed)
     tree = random_tree(int(p[-1]), N, depth, kids, seed, dup_siblings=seed % 2 == 0)
-    check_against_oracle(model, eng, [p], [tree], f"{P=} {N=} {depth=} {kids=} {seed=}")
+    check_against_oracle(model, eng, [p], [tree], f"{P=} {N=} {depth=} {kids=} {seed=} {page_size=}")
 
 
 def test_one_node_tree_is_plain_decode():

@@ -26,6 +26,16 @@ class Layout:
     num_token_pages: int
     scratch_per_request: int  # S: entry scratch slots per request row (>= nodes per call)
     max_requests: int
+    num_recent_pages: int
+
+    @property
+    def trash_recent_slot(self) -> int:
+        """One recent slot past every page: padded rows of a static-shape batch write here."""
+        return self.num_recent_pages * self.page_size
+
+    def trash_entry_slot(self, ratio: int) -> int:
+        """One entry slot past the scratch region: padded closing rows write their entry here."""
+        return self.committed_entry_slots(ratio) + self.max_requests * self.scratch_per_request
 
     def entries_per_page(self, ratio: int) -> int:
         return max(1, self.page_size // ratio)
@@ -80,12 +90,12 @@ def check_page_size(page_size: int, ratios) -> None:
             raise ConfigError(f"page_size={page_size} and compress ratio {m} must divide one another")
 
 
-def build_pools(model, layout: Layout, num_recent_pages: int, kv_dtype: str) -> list:
+def build_pools(model, layout: Layout, kv_dtype: str) -> list:
     """Zeroed pools for every layer of `model` on its device and dtype."""
     from ..model.hf_bindings import DeepseekV4CSACompressor
 
     ps, dev, dt = layout.page_size, model.device, model.dtype
-    recent = num_recent_pages * ps
+    recent = layout.trash_recent_slot + 1
     rope = model.rope_dim
     out = []
     for layer in model.hf.model.layers:
@@ -95,7 +105,7 @@ def build_pools(model, layout: Layout, num_recent_pages: int, kv_dtype: str) -> 
         if comp is not None:
             m = comp.compress_rate
             overlap = isinstance(comp, DeepseekV4CSACompressor)
-            n_ent = layout.committed_entry_slots(m) + layout.max_requests * layout.scratch_per_request
+            n_ent = layout.trash_entry_slot(m) + 1
             ch = 2 * comp.head_dim if overlap else comp.head_dim
 
             def rows(width):

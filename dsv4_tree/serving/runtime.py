@@ -13,8 +13,8 @@ from .tables import VerifyPlan, build_tables
 DEFAULT_TOKEN_CAP = 1 << 18
 
 
-def make_layout(model, spec, limits) -> tuple[Layout, int]:
-    """Address layout and recent-pool page count for `model` under `spec`."""
+def make_layout(model, spec, limits) -> Layout:
+    """Address layout (page counts, windows, scratch) for `model` under `spec`."""
     ps = spec.page_size
     ratios = model.compressors
     recent_window = max([model.window] + [2 * m if ov else m for m, ov in ratios.items()])
@@ -23,18 +23,17 @@ def make_layout(model, spec, limits) -> tuple[Layout, int]:
     if total is None:
         total = min(spec.max_requests * limits.max_positions, DEFAULT_TOKEN_CAP)
     token_pages = -(-total // ps) + spec.max_requests  # + one partial page per request
-    layout = Layout(ps, model.window, recent_window, ratios, token_pages, scratch, spec.max_requests)
     recent_pages = spec.max_requests * (-(-(recent_window + scratch) // ps) + 1)
-    return layout, recent_pages
+    return Layout(ps, model.window, recent_window, ratios, token_pages, scratch, spec.max_requests, recent_pages)
 
 
 class ServingRuntime:
     def __init__(self, model, spec, limits):
         self.model = model
-        self.layout, recent_pages = make_layout(model, spec, limits)
+        self.layout = make_layout(model, spec, limits)
         self.pages = PageTable(spec.max_requests, limits.max_positions, spec.page_size,
-                               self.layout.num_token_pages, recent_pages)
-        self.pools = build_pools(model, self.layout, recent_pages, spec.kv_cache_dtype)
+                               self.layout.num_token_pages, self.layout.num_recent_pages)
+        self.pools = build_pools(model, self.layout, spec.kv_cache_dtype)
 
     def admit(self) -> int:
         return self.pages.admit()

@@ -1,0 +1,136 @@
+"""The paged serving layout: page tables, pool sizing, release, buckets, commit by moves."""
+import pytest
+import torch
+
+import dsv4_tree as dt
+from cases import REL_TOL, check_against_oracle, engine_for, prompt, random_tree, small_model
+from dsv4_tree.serving import PoolExhausted
+from dsv4_tree.serving.commit import plan_moves
+
+GPU = torch.cuda.is_available()
+
+
+def test_block_longer_than_a_page_matches_per_path():
+    """C128 blocks span 8 pages of 16 slots: entries are addressed one per page."""
+    model = dt.load_model(dt.tiny_checkpoint())
+    eng = engine_for(model, page_size=16, nodes=24, steps=8)
+    p = prompt(300, 5)
+    tree = random_tree(int(p[-1]), 24, 8, 3, 6)
+    check_against_oracle(model, eng, [p], [tree], "page 16, ratio 128")
+
+
+def test_release_returns_every_page_and_row():
+    model = small_model()
+    eng = engine_for(model, page_size=16)
+    before = eng.runtime.live_slots()
+    reqs = [eng.prefill(prompt(20 + 9 * i, i)) for i in range(3)]
+    trees = [random_tree(r.root_token, 12, 5, 3, i) for i, r in enumerate(reqs)]
+    out = eng.verify(reqs, trees)
+    eng.commit(reqs, eng.accept_greedy(reqs, trees, out), out)
+    assert eng.runtime.live_slots() != before
+    for r in reqs:
+        eng.release(r)
+    assert eng.runtime.live_slots() == before
+    with pytest.raises(dt.StateError, match="released"):
+        eng.verify([reqs[0]], [random_tree(reqs[0].root_token, 4, 2, 2, 0)])
+
+
+def test_dropped_request_returns_its_pages():
+    model = small_model()
+    eng = engine_for(model, page_size=16)
+    before = eng.runtime.live_slots()
+    req = eng.prefill(prompt(40, 1))
+    assert eng.runtime.live_slots() != before
+    del req
+    assert eng.runtime.live_slots() == before
+
+
+def test_pool_exhaustion_names_the_pool_and_leaks_nothing():
+    model = small_model()
+    eng = engine_for(model, page_size=16, max_requests=2, max_total_tokens=64)
+    a = eng.prefill(prompt(30, 2))
+    state = [{k: v.clone() for k, v in layer.items()} for layer in eng.state_summary(a)]
+    used = eng.runtime.live_slots()
+    with pytest.raises(PoolExhausted, match=r"token pool exhausted.*of \d+ free"):
+        eng.prefill(prompt(200, 3))
+    assert eng.runtime.live_slots() == used
+    b = eng.prefill(prompt(5, 4))
+    with pytest.raises(dt.StateError, match="max_requests"):
+        eng.prefill(prompt(5, 5))
+    eng.release(b)
+    for layer, now in zip(state, eng.state_summary(a)):
+        for k in layer:
+            assert torch.equal(layer[k], now[k]), k
+
+
+def test_unknown_kv_cache_dtype_is_a_config_error():
+    with pytest.raises(dt.ConfigError, match="kv_cache_dtype='fp9'.*choose one of"):
+        dt.Engine(small_model(), dt.SpecConfig(kv_cache_dtype="fp9"))
+    with pytest.raises(dt.ConfigError, match="page_size must be a power of two"):
+        dt.Engine(small_model(), dt.SpecConfig(page_size=24))
+
+
+def test_commit_moves_at_most_the_path_whatever_the_window():
+    """Commit copies the accepted path's rows (and the entries it closed), never the window."""
+    for window in (8, 64):
+        model = small_model(window=window)
+        eng = engine_for(model)
+        req = eng.prefill(prompt(70, 8))
+        tree = random_tree(req.root_token, 30, 10, 3, 9)
+        eng.verify([req], [tree])
+        leaf = int(tree.leaves[torch.argmax(tree.depth[tree.leaves])])
+        path = tree.path[leaf][tree.path[leaf] >= 0]
+        moves = plan_moves(eng.runtime.pages, eng.runtime.layout, [req.row], [req.seq_len], [path])
+        assert moves.recent_src.numel() <= path.numel() - 1, f"{window=}"
+        for m, src in moves.entry_src.items():
+            assert src.numel() <= path.numel() // m + 1, f"{window=} {m=}"
+
+
+def test_padded_bucket_equals_unpadded_run():
+    """Padding to a static-shape bucket changes no real row and never reaches committed state."""
+    model = small_model()
+    plain = engine_for(model, topk=4, steps=6, nodes=16)
+    padded = engine_for(model, topk=4, steps=6, nodes=16, cuda_graph_max_bs=4)
+    prompts = [prompt(n, 30 + n) for n in (9, 22, 17)]
+    trees = [random_tree(int(p[-1]), n, 6, 3, n) for p, n in zip(prompts, (16, 5, 1))]
+    states = []
+    for eng in (plain, padded):
+        reqs = [eng.prefill(p) for p in prompts]
+        out = eng.verify(reqs, trees)
+        states.append((eng, reqs, out))
+    (_, ra, oa), (_, rb, ob) = states
+    for b in range(3):
+        err = float(((oa.logits[b] - ob.logits[b]).abs() / oa.logits[b].abs().amax(-1, keepdim=True)).max())
+        assert err <= 1e-6, f"request {b}: padded run differs by {err:.2e}"  # GEMM row-count rounding only
+    paths = [(0,), (0,), (0,)]
+    for eng, reqs, out in states:
+        accs = [dt.Acceptance(tuple(tree.path[n - 1][tree.path[n - 1] >= 0].tolist()), 3, r.request_id, out.verify_id)
+                for tree, r, n in zip(trees, reqs, (16, 5, 1))]
+        paths = [a.path for a in accs]
+        eng.commit(reqs, accs, out)
+    for a, b in zip(ra, rb):
+        assert a.seq_len == b.seq_len
+        for la, lb in zip(plain.state_summary(a), padded.state_summary(b)):
+            for k in la:  # rows computed in GEMMs of different row counts: rounding only
+                if la[k].numel():
+                    diff = float((la[k].double() - lb[k].double()).abs().max())
+                    assert diff <= 1e-5 * max(1.0, float(la[k].abs().max())), f"{k}: {diff:.2e}"
+    assert any(len(p) > 1 for p in paths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_eager():
+    model = dt.load_model(small_model().hf, device="cuda")
+    eager = engine_for(model, topk=4, steps=6, nodes=16)
+    graphed = engine_for(model, topk=4, steps=6, nodes=16, cuda_graph_max_bs=4)
+    prompts = [prompt(n, 40 + n) for n in (9, 22, 17)]
+    for round_ in range(3):  # the second and third verify replay the captured graph
+        trees = [random_tree(int(p[-1]), 12, 6, 3, round_ * 7 + i) for i, p in enumerate(prompts)]
+        outs = []
+        for eng in (eager, graphed):
+            reqs = [eng.prefill(p) for p in prompts]
+            outs.append(eng.verify(reqs, trees))
+        for a, b in zip(outs[0].logits, outs[1].logits):
+            assert torch.allclose(a, b, rtol=REL_TOL, atol=REL_TOL * float(a.abs().max()))
+    assert len(graphed._graphs.graphs) == 1
