@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,12 @@ from .verify.sampling import sample_path, target_probs
 _ids = itertools.count()
 
 
+def _check_live(requests) -> None:
+    for req in requests:
+        if getattr(req, "released", False):
+            raise StateError(f"request {req.request_id} was released (Engine.release); start a new one with prefill")
+
+
 @dataclass
 class Request:
     """One sequence's committed state. seq_len = P committed (KV-ready) positions; root_token
@@ -35,6 +42,7 @@ class Request:
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
+    released: bool = False  # set by Engine.release; a released request cannot be used again
 
     @property
     def seq_len(self) -> int:
@@ -67,6 +75,21 @@ class Engine:
         self.ops = get_backend(self.spec.attention_backend)
         self._verify_ids = itertools.count(1)
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
+        self.named_drafters: dict = {}  # drafter name -> drafter built for this engine (drafters/registry.py)
+        self._drafters = weakref.WeakSet()  # drafters told about Engine.release
+
+    # ---------------------------------------------------------------- request lifecycle
+    def register_drafter(self, drafter) -> None:
+        """Engine.release(req) will call drafter.release(req)."""
+        self._drafters.add(drafter)
+
+    def release(self, req) -> None:
+        """The request is finished: drop its state here and in every registered drafter."""
+        _check_live([req])
+        req.released = True
+        req.new_hidden = None
+        for drafter in list(self._drafters):
+            drafter.release(req)
 
     # ---------------------------------------------------------------- validation
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -111,6 +134,7 @@ class Engine:
         for b, (req, tree) in enumerate(zip(requests, trees)):
             if not isinstance(req, Request):
                 raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
+            _check_live([req])
             if not isinstance(tree, DraftTree):
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
             self._check_ids(tree.tokens, f"trees[{b}].tokens")
@@ -227,6 +251,7 @@ class Engine:
             raise StateError("commit needs the VerifyOutput its acceptances came from")
         if len(requests) != len(accs):
             raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
+        _check_live(requests)
         if tuple(r.request_id for r in requests) != out.request_ids:
             raise InputError("requests differ from those of the verify call that produced the acceptances")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
