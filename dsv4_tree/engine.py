@@ -222,11 +222,21 @@ class Engine:
 
     def generate(self, prompt_ids, max_new_tokens: int, drafter=None, temperature: float = 0.0,
                  top_p: float = 1.0, eos_token_id=None, generator=None, progress=None):
-        """Prefill, then draft -> verify -> accept -> commit rounds. See dsv4_tree/generate.py."""
+        """Prefill, then draft -> verify -> accept -> commit rounds; drafter: "mtp" | "ngram" |
+        "planted" | an object with draft(engine, requests). See dsv4_tree/generate.py."""
         from .generate import generate
 
         return generate(self, prompt_ids, max_new_tokens, drafter, temperature, top_p, eos_token_id,
                         generator, progress)
+
+    def generate_batch(self, prompts, max_new_tokens, drafter=None, temperature: float = 0.0,
+                       top_p: float = 1.0, eos_token_id=None, generator=None, progress=None) -> list:
+        """Many prompts together: one draft pass and one verify per round for all live
+        requests; each finishes on its own. See dsv4_tree/generate_batch.py."""
+        from .generate_batch import generate_batch
+
+        return generate_batch(self, prompts, max_new_tokens, drafter, temperature, top_p, eos_token_id,
+                              generator, progress)
 
     def _check_out(self, requests, trees, out: VerifyOutput) -> None:
         self._check_batch(requests, trees, enforce_limits=False)
