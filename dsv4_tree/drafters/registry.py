@@ -39,9 +39,15 @@ def resolve_drafter(engine, drafter, default: str = "ngram"):
         if drafter not in named:
             named[drafter] = _build(drafter, engine)
         drafter = named[drafter]
-    elif not callable(getattr(drafter, "draft", None)):
+    elif isinstance(drafter, type) or not callable(getattr(drafter, "draft", None)):
         raise InputError(f"drafter must be one of {', '.join(map(repr, DRAFTER_NAMES))} or an object with a "
-                         f"draft(engine, requests) method; got a {type(drafter).__name__}")
+                         f"draft(engine, requests) method; got {_describe(drafter)}")
     if callable(getattr(drafter, "release", None)):
         engine.register_drafter(drafter)
     return drafter
+
+
+def _describe(drafter) -> str:
+    if isinstance(drafter, type):
+        return f"the class {drafter.__name__} (pass an instance)"
+    return f"a {type(drafter).__name__}"
