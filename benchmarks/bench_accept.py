@@ -5,7 +5,8 @@ For each case: mean tokens per verify (accepted drafts + bonus), tokens per seco
 time of whole generate calls: prefill + draft + verify + accept + commit) and its ratio to
 Hugging Face `model.hf.generate` (greedy, its own cache) measured in the same process; every
 case's output must equal Hugging Face's. Budgets: N verify rows per round (chain: N-1 draft
-steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once.
+steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (tokens per
+verify there is per request; "verifies" counts verify calls, one per round for the batch).
 Human table first, one JSON line last. --quick finishes in under 2 minutes on 2 cores."""
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes):
 def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes):
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
     results = eng.generate_batch(prompts, new_tokens, drafter="mtp", eos_token_id=eos, progress=False)
-    return [r.tokens for r in results], max(r.stats.rounds for r in results)
+    # tokens per verify per request (its own rounds); verify calls = rounds of the longest
+    return [r.tokens for r in results], sum(r.stats.rounds for r in results), max(r.stats.rounds for r in results)
 
 
 def timed(fn, *args):
@@ -68,12 +70,14 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts")
     ap.add_argument("--budgets", default="4,8,16", help="verify rows per round N")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's choice)")
+    ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per generate_batch prompt "
+                    "(default: --new-tokens)")
     ap.add_argument("--quick", action="store_true", help="1 prompt x 48 new tokens; batches of 32 new tokens")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     n_prompts, new = (1, 48) if args.quick else (args.prompts, args.new_tokens)
-    batch_new = 32 if args.quick else new
+    batch_new = 32 if args.quick else (args.batch_new_tokens or new)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
     model = dt.load_model(dt.trained_checkpoint())
@@ -84,14 +88,15 @@ def main(argv=None):
     print(f"{'case':<32} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8}")
     records = []
 
-    def report(label, outs, rounds, secs, want, hf_rate=None):
+    def report(label, outs, rounds, secs, want, hf_rate=None, calls=None):
         tokens = sum(len(o) for o in outs)
+        calls = rounds if calls is None else calls
         rec = {"case": label, "tokens_per_verify": tokens / rounds if rounds else None,
-               "tokens_per_s": tokens / secs, "verifies": rounds, "output_equals_hf": outs == want}
+               "tokens_per_s": tokens / secs, "verifies": calls, "output_equals_hf": outs == want}
         rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
         records.append(rec)
         tpv = "-" if rounds is None else f"{rec['tokens_per_verify']:.3f}"
-        print(f"{label:<32} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {rounds or '-':>8}"
+        print(f"{label:<32} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {calls or '-':>8}"
               + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
         return rec["tokens_per_s"]
 
@@ -106,8 +111,8 @@ def main(argv=None):
     for size in sizes:
         ps = batch_prompts[:size]
         want_b = hf_generate(model, ps, batch_new)
-        (outs, rounds), secs = timed(run_batch, model, ps, batch_new, eos, 4, 3, 8)
-        report(f"generate_batch x{size} tree topk4 N=8", outs, rounds, secs, want_b, batch_hf)
+        (outs, rounds, calls), secs = timed(run_batch, model, ps, batch_new, eos, 4, 3, 8)
+        report(f"generate_batch x{size} tree topk4 N=8", outs, rounds, secs, want_b, batch_hf, calls)
     print(json.dumps({"bench": "accept", "threads": torch.get_num_threads(), "quick": args.quick,
                       "records": records}))
 
