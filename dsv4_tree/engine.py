@@ -85,6 +85,8 @@ class Engine:
 
     def release(self, req) -> None:
         """The request is finished: drop its state here and in every registered drafter."""
+        if not isinstance(req, Request):
+            raise InputError(f"release needs a dsv4_tree.Request, got a {type(req).__name__}")
         _check_live([req])
         req.released = True
         req.new_hidden = None

@@ -85,6 +85,8 @@ def test_release_drops_state_and_refuses_reuse():
                  lambda: drafter.draft(eng, [req]), lambda: eng.release(req)):
         with pytest.raises(dt.StateError, match="released"):
             call()
+    with pytest.raises(dt.InputError, match="Request"):
+        eng.release("not a request")
     tree = drafter.draft(eng, [other])[0]  # the other request goes on
     out = eng.verify([other], [tree])
     eng.commit([other], eng.accept_greedy([other], [tree], out), out)
