@@ -1,7 +1,13 @@
-"""Acceptance on the shipped trained checkpoint: greedy, held-out stdlib prompts. For each
-drafter/shape: mean tokens per verify (accepted drafts + bonus) and tokens per second
-(wall time of whole rounds: draft + verify + accept + commit). Human table first, one JSON
-line last."""
+"""Chain vs tree at equal verify budgets, batched generation, and Hugging Face `generate` as the
+baseline, in one run on the shipped trained checkpoint (greedy, held-out stdlib prompts).
+
+For each case: mean tokens per verify (accepted drafts + bonus), tokens per second (wall
+time of whole generate calls: prefill + draft + verify + accept + commit) and its ratio to
+Hugging Face `model.hf.generate` (greedy, its own cache) measured in the same process; every
+case's output must equal Hugging Face's. Budgets: N verify rows per round (chain: N-1 draft
+steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (tokens per
+verify there is per request; "verifies" counts verify calls, one per round for the batch).
+Human table first, one JSON line last. --quick finishes in under 2 minutes on 2 cores."""
 from __future__ import annotations
 
 import argparse
@@ -12,67 +18,103 @@ import time
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.drafters import MtpDrafter, NgramDrafter, TreeShape
 from dsv4_tree.train.corpus import heldout_prompt
 
-CASES = [
-    # label, drafter, topk, num_steps, num_draft_tokens
-    ("no speculation", "none", 1, 1, 1),
-    ("chain MTP N=4", "mtp", 1, 3, 4),
-    ("tree MTP N=8 topk 2", "mtp", 2, 4, 8),
-    ("tree MTP N=8 topk 4", "mtp", 4, 3, 8),
-    ("tree MTP N=16 topk 4", "mtp", 4, 4, 16),
-    ("n-gram chain N=4", "ngram", 1, 3, 4),
-    ("n-gram tree N=8 topk 4", "ngram", 4, 3, 8),
-]
+# N -> (steps of the topk-2 tree, steps of the topk-4 tree)
+TREE_STEPS = {4: (2, 2), 8: (4, 3), 16: (6, 5)}
+
+
+def single_cases(budgets) -> list:
+    """(label, drafter, topk, num_steps, num_draft_tokens)."""
+    cases = [("no speculation (1-node chain)", "mtp", 1, 1, 1)]
+    for n in budgets:
+        s2, s4 = TREE_STEPS[n]
+        cases += [(f"chain MTP N={n}", "mtp", 1, n - 1, n), (f"tree MTP N={n} topk 2", "mtp", 2, s2, n),
+                  (f"tree MTP N={n} topk 4", "mtp", 4, s4, n)]
+    return cases + [("n-gram tree N=8 topk 4", "ngram", 4, 3, 8)]
+
+
+def hf_generate(model, prompts, new_tokens):
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
+def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes):
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+    results = [eng.generate(p, new_tokens, drafter=kind, eos_token_id=eos, progress=False) for p in prompts]
+    return [r.tokens for r in results], sum(r.stats.rounds for r in results)
+
+
+def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes):
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+    results = eng.generate_batch(prompts, new_tokens, drafter="mtp", eos_token_id=eos, progress=False)
+    # tokens per verify per request (its own rounds); verify calls = rounds of the longest
+    return [r.tokens for r in results], sum(r.stats.rounds for r in results), max(r.stats.rounds for r in results)
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts for the single-request cases")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts")
+    ap.add_argument("--budgets", default="4,8,16", help="verify rows per round N")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's choice)")
+    ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per generate_batch prompt "
+                    "(default: --new-tokens)")
+    ap.add_argument("--quick", action="store_true", help="1 prompt x 48 new tokens; batches of 32 new tokens")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n_prompts, new = (1, 48) if args.quick else (args.prompts, args.new_tokens)
+    batch_new = 32 if args.quick else (args.batch_new_tokens or new)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
     model = dt.load_model(dt.trained_checkpoint())
-    prompts = [heldout_prompt(args.prompt_len, seed) for seed in range(args.prompts)]
-    rows = []
-    print(f"machine: {platform.machine()} CPU, {torch.get_num_threads()} threads; torch {torch.__version__}; fp32; "
-          f"{args.prompts} held-out prompts x {args.new_tokens} new bytes, greedy")
-    print(f"{'case':<24} {'tokens/verify':>13} {'tokens/s':>9} {'verifies':>8}")
-    reference = None
-    for label, kind, topk, steps, nodes in CASES:
-        spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes)
-        eng = dt.Engine(model, spec)
-        shape = TreeShape(topk, steps, nodes)
-        total_tokens = total_rounds = 0
-        outs = []
-        t0 = time.perf_counter()
-        for p in prompts:
-            if kind == "none":
-                drafter = _NoDraft()
-            elif kind == "mtp":
-                drafter = MtpDrafter(model, shape)
-            else:
-                drafter = NgramDrafter(shape)
-            res = eng.generate(p, args.new_tokens, drafter=drafter, progress=False)
-            outs.append(res.tokens)
-            total_tokens += len(res.tokens)
-            total_rounds += res.stats.rounds
-        secs = time.perf_counter() - t0
-        if reference is None:
-            reference = outs
-        same = outs == reference
-        rec = {"case": label, "tokens_per_verify": total_tokens / total_rounds, "tokens_per_s": total_tokens / secs,
-               "verifies": total_rounds, "output_equals_no_speculation": same}
-        rows.append(rec)
-        print(f"{label:<24} {rec['tokens_per_verify']:>13.3f} {rec['tokens_per_s']:>9.1f} {total_rounds:>8}"
-              + ("" if same else "  OUTPUT DIFFERS"))
-    print(json.dumps({"bench": "accept", "records": rows}))
+    eos = model.hf.generation_config.eos_token_id
+    prompts = [heldout_prompt(args.prompt_len, seed) for seed in range(n_prompts)]
+    print(f"machine: {platform.machine()} CPU, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
+          f"fp32; {n_prompts} held-out prompts x {new} new bytes, greedy; generate_batch: {batch_new} new bytes each")
+    print(f"{'case':<32} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8}")
+    records = []
 
+    def report(label, outs, rounds, secs, want, hf_rate=None, calls=None):
+        tokens = sum(len(o) for o in outs)
+        calls = rounds if calls is None else calls
+        rec = {"case": label, "tokens_per_verify": tokens / rounds if rounds else None,
+               "tokens_per_s": tokens / secs, "verifies": calls, "output_equals_hf": outs == want}
+        rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
+        records.append(rec)
+        tpv = "-" if rounds is None else f"{rec['tokens_per_verify']:.3f}"
+        print(f"{label:<32} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {calls or '-':>8}"
+              + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
+        return rec["tokens_per_s"]
 
-class _NoDraft:
-    def draft(self, engine, requests):
-        return [dt.DraftTree.chain([r.root_token]) for r in requests]
+    want, secs = timed(hf_generate, model, prompts, new)
+    hf_rate = report("HF generate (its own cache)", want, None, secs, want)
+    for label, kind, topk, steps, nodes in single_cases(budgets):
+        (outs, rounds), secs = timed(run_single, model, prompts, new, eos, kind, topk, steps, nodes)
+        report(label, outs, rounds, secs, want, hf_rate)
+    batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes))]
+    batch_want, secs = timed(hf_generate, model, batch_prompts[: sizes[0]], batch_new)
+    batch_hf = report(f"HF generate, {batch_new} new", batch_want, None, secs, batch_want)
+    for size in sizes:
+        ps = batch_prompts[:size]
+        want_b = hf_generate(model, ps, batch_new)
+        (outs, rounds, calls), secs = timed(run_batch, model, ps, batch_new, eos, 4, 3, 8)
+        report(f"generate_batch x{size} tree topk4 N=8", outs, rounds, secs, want_b, batch_hf, calls)
+    print(json.dumps({"bench": "accept", "threads": torch.get_num_threads(), "quick": args.quick,
+                      "records": records}))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import time
 import torch
 
 from .config import SpecConfig
-from .drafters import MtpDrafter, NgramDrafter, PlantedDrafter, TreeShape
+from .drafters import PlantedDrafter, TreeShape
+from .drafters.registry import DRAFTER_NAMES, resolve_drafter
 from .engine import Engine
 from .errors import Dsv4TreeError
 from .model.adapter import load_model
@@ -29,10 +30,21 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="num_draft_tokens: nodes per tree, root included (default num_steps+1 for chains)")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompt and the drafter")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on the shipped tiny models intra-op threads cost more than "
+                        "they save, and far more when other processes share the cores); 0 = torch's choice")
 
 
-def _spec(args) -> SpecConfig:
-    spec = SpecConfig.from_file(args.spec) if args.spec else SpecConfig()
+# the default demo runs both, on the same prompt, at the same verify-row budget scale
+DEMO_MODES = {"chain": SpecConfig(num_steps=3), "tree": SpecConfig(eagle_topk=4, num_steps=3, num_draft_tokens=8)}
+
+
+def _spec_given(args) -> bool:
+    return any(v is not None for v in (args.spec, args.topk, args.num_steps, args.num_draft_tokens))
+
+
+def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
+    spec = SpecConfig.from_file(args.spec) if args.spec else (base or SpecConfig())
     changes = {}
     if args.topk is not None:
         changes["eagle_topk"] = args.topk
@@ -50,6 +62,8 @@ def _spec(args) -> SpecConfig:
 def _load(args):
     from transformers.utils import logging as hf_logging
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     return load_model(args.checkpoint or trained_checkpoint())
 
@@ -72,21 +86,29 @@ def _prompt(model, length: int, seed: int, text: str | None = None) -> list:
     return torch.randint(2, model.vocab_size, (length,), generator=g).tolist()
 
 
-def _drafter(kind: str, model, shape, args):
-    if kind == "mtp":
-        return MtpDrafter(model, shape)
-    if kind == "ngram":
-        return NgramDrafter(shape)
-    return PlantedDrafter(model, shape, corrupt=args.corrupt, seed=args.seed)
+def _drafter(engine, args):
+    if args.drafter == "planted":  # with the CLI's corruption rate and seed
+        return PlantedDrafter(engine.model, TreeShape.from_spec(engine.spec), corrupt=args.corrupt, seed=args.seed)
+    return resolve_drafter(engine, args.drafter)
 
 
 def cmd_demo(args) -> int:
     model = _load(args)
-    engine = Engine(model, _spec(args))
-    spec = engine.spec
-    shape = TreeShape.from_spec(spec)
-    drafter = _drafter(args.drafter, model, shape, args)
     prompt = torch.tensor(_prompt(model, args.prompt_len, args.seed, args.prompt_text))
+    modes = {"custom": _spec(args)} if _spec_given(args) else {m: _spec(args, s) for m, s in DEMO_MODES.items()}
+    results = {}
+    for mode, spec in modes.items():
+        results[mode] = _demo_run(model, spec, prompt, args)
+    line = " | ".join(f"{mode} (topk={r[0].eagle_topk} N={r[0].num_draft_tokens}): {r[1]:.2f} tokens/verify, "
+                      f"{r[2]:.1f} tokens/s, {'PASS' if r[3] else 'FAIL'}" for mode, r in results.items())
+    print(f"compare: {line}")
+    return 0 if all(r[3] for r in results.values()) else 1
+
+
+def _demo_run(model, spec, prompt, args) -> tuple:
+    """Verify rounds of one mode, each checked per path. -> (spec, tokens/verify, tokens/s, ok)"""
+    engine = Engine(model, spec)
+    drafter = _drafter(engine, args)
     req = engine.prefill(prompt)
     what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
             "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
@@ -94,19 +116,21 @@ def cmd_demo(args) -> int:
           f"num_draft_tokens={spec.num_draft_tokens} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
           f"({what[args.drafter]})")
     print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9} {'ties':>4}")
-    worst, emitted, t_verify = 0.0, 0, 0.0
+    worst, emitted, t_verify, t_round = 0.0, 0, 0.0, 0.0
     for rnd in range(args.rounds):
+        t_start = time.perf_counter()
         tree = drafter.draft(engine, [req])[0]
         t0 = time.perf_counter()
         out = engine.verify([req], [tree])
         dt_verify = time.perf_counter() - t0
         t_verify += dt_verify
-        ref = per_path_logits(model, req.tokens, tree)
-        err = relative_error(out.logits[0], ref)
-        worst = max(worst, err)
         acc = engine.accept_greedy([req], [tree], out)[0]
         p = req.seq_len
         engine.commit([req], [acc], out)
+        t_round += time.perf_counter() - t_start  # draft + verify + accept + commit, not the check
+        ref = per_path_logits(model, req.tokens[:p], tree)
+        err = relative_error(out.logits[0], ref)
+        worst = max(worst, err)
         emitted += acc.num_accepted + 1
         print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {acc.num_accepted:>8} {err:>10.2e} "
               f"{1000 * dt_verify:>9.1f} {out.topk_ties:>4}")
@@ -115,18 +139,19 @@ def cmd_demo(args) -> int:
 
         print("continuation: " + repr(decode(req.tokens[prompt.numel() - 1 :].tolist() + [req.root_token])))
     ok = worst <= REL_ERR_BOUND
+    engine.release(req)
     print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
-          f"worst relative error vs per-path reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): "
-          f"{'PASS' if ok else 'FAIL'}; verify time {t_verify:.2f} s. (ties: rows whose indexer top-k boundary "
-          "was an exact or near tie, decided by the documented tie rule, which the reference applies too)")
-    return 0 if ok else 1
+          f"{emitted / t_round:.1f} tokens/s (whole rounds, without the check), worst relative error vs per-path "
+          f"reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): {'PASS' if ok else 'FAIL'}; verify time "
+          f"{t_verify:.2f} s. (ties: rows whose indexer top-k boundary was an exact or near tie, decided by the "
+          "documented tie rule, which the reference applies too)\n")
+    return spec, emitted / args.rounds, emitted / t_round, ok
 
 
 def cmd_generate(args) -> int:
     model = _load(args)
     engine = Engine(model, _spec(args))
-    shape = TreeShape.from_spec(engine.spec)
-    drafter = _drafter(args.drafter, model, shape, args)
+    drafter = _drafter(engine, args)
     if args.prompt is not None:
         prompt = [int(t) for t in args.prompt.split(",")]
     else:
@@ -163,12 +188,13 @@ def cmd_train_tiny(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsv4-tree", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="prefill, run verify rounds, check every round against per-path HF runs")
+    d = sub.add_parser("demo", help="verify rounds as a chain and as a tree on the same prompt, every round checked "
+                                    "against per-path HF runs; --topk/--num-steps/--num-draft-tokens/--spec run one mode")
     _spec_args(d)
     d.add_argument("--prompt-len", type=int, default=150,
                    help="prompt length: held-out stdlib bytes for byte-level checkpoints, random ids otherwise")
     d.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
-    d.add_argument("--drafter", choices=("mtp", "ngram", "planted"), default="mtp",
+    d.add_argument("--drafter", choices=DRAFTER_NAMES, default="mtp",
                    help="mtp: the checkpoint's MTP block; ngram: prompt lookup; planted: synthetic test drafter")
     d.add_argument("--rounds", type=int, default=8, help="verify rounds to run")
     d.add_argument("--corrupt", type=float, default=0.25,
@@ -176,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
     _spec_args(g)
-    g.add_argument("--drafter", choices=("ngram", "mtp", "planted"), default="ngram",
+    g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")

@@ -24,6 +24,12 @@ from .verify.sampling import sample_path, target_probs
 _ids = itertools.count()
 
 
+def _check_live(requests) -> None:
+    for req in requests:
+        if getattr(req, "released", False):
+            raise StateError(f"request {req.request_id} was released (Engine.release); start a new one with prefill")
+
+
 @dataclass
 class Request:
     """One sequence's committed state. seq_len = P committed (KV-ready) positions; root_token
@@ -40,7 +46,7 @@ class Request:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
     prefill_topk_ties: int = 0  # indexer top-k boundary ties met while prefilling (committed rows)
-    released: bool = False
+    released: bool = False  # set by Engine.release; a released request cannot be used again
     scratch_owner: int = field(default=0, repr=False)  # verify whose rows sit in this request's draft slots
     finalizer: object = field(default=None, repr=False, compare=False)  # returns the slots if never released
 
@@ -74,6 +80,13 @@ class Engine:
         self._graphs = None  # GraphCache, created on the first bucketed verify on CUDA
         self._verify_ids = itertools.count(1)
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
+        self.named_drafters: dict = {}  # drafter name -> drafter built for this engine (drafters/registry.py)
+        self._drafters = weakref.WeakSet()  # drafters told about Engine.release
+
+    # ---------------------------------------------------------------- request lifecycle
+    def register_drafter(self, drafter) -> None:
+        """Engine.release(req) will call drafter.release(req)."""
+        self._drafters.add(drafter)
 
     # ---------------------------------------------------------------- validation
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -118,6 +131,7 @@ class Engine:
         for b, (req, tree) in enumerate(zip(requests, trees)):
             if not isinstance(req, Request):
                 raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
+            _check_live([req])
             if not isinstance(tree, DraftTree):
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
             self._check_ids(tree.tokens, f"trees[{b}].tokens")
@@ -140,11 +154,6 @@ class Engine:
                 )
 
     # ---------------------------------------------------------------- steps
-    def _live(self, requests) -> None:
-        for b, req in enumerate(requests):
-            if req.released:
-                raise StateError(f"requests[{b}] (id {req.request_id}) was released")
-
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
         """Commit prompt[:-1] (KV-ready) and leave prompt[-1] as the pending root token.
 
@@ -188,7 +197,7 @@ class Engine:
     def plan(self, requests, trees) -> VerifyPlan:
         """Host half of verify: validate, map draft slots, build the batch's tables."""
         self._check_batch(requests, trees)
-        self._live(requests)
+        _check_live(requests)
         return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
@@ -244,11 +253,21 @@ class Engine:
 
     def generate(self, prompt_ids, max_new_tokens: int, drafter=None, temperature: float = 0.0,
                  top_p: float = 1.0, eos_token_id=None, generator=None, progress=None):
-        """Prefill, then draft -> verify -> accept -> commit rounds. See dsv4_tree/generate.py."""
+        """Prefill, then draft -> verify -> accept -> commit rounds; drafter: "mtp" | "ngram" |
+        "planted" | an object with draft(engine, requests). See dsv4_tree/generate.py."""
         from .generate import generate
 
         return generate(self, prompt_ids, max_new_tokens, drafter, temperature, top_p, eos_token_id,
                         generator, progress)
+
+    def generate_batch(self, prompts, max_new_tokens, drafter=None, temperature: float = 0.0,
+                       top_p: float = 1.0, eos_token_id=None, generator=None, progress=None) -> list:
+        """Many prompts together: one draft pass and one verify per round for all live
+        requests; each finishes on its own. See dsv4_tree/generate_batch.py."""
+        from .generate_batch import generate_batch
+
+        return generate_batch(self, prompts, max_new_tokens, drafter, temperature, top_p, eos_token_id,
+                              generator, progress)
 
     def _check_out(self, requests, trees, out: VerifyOutput) -> None:
         self._check_batch(requests, trees, enforce_limits=False)
@@ -273,6 +292,7 @@ class Engine:
             raise StateError("commit needs the VerifyOutput its acceptances came from")
         if len(requests) != len(accs):
             raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
+        _check_live(requests)
         if tuple(r.request_id for r in requests) != out.request_ids:
             raise InputError("requests differ from those of the verify call that produced the acceptances")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
@@ -295,7 +315,7 @@ class Engine:
             hidden = out.run.hidden[o : o + tree.num_nodes][path.to(out.run.hidden.device)]
             paths.append(path)
             staged.append((req, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
-        self._live(requests)
+        _check_live(requests)
         self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths)
         for req, toks, bonus, n, hidden in staged:
             req.seq_len += n
@@ -305,14 +325,18 @@ class Engine:
             req.scratch_owner = 0
 
     def release(self, req: Request) -> None:
-        """Return every slot of `req` to the pools; the request cannot be used afterwards."""
+        """The request is finished: return every slot it holds to the pools and drop its state
+        here and in every registered drafter. A released request cannot be used again."""
         if not isinstance(req, Request):
-            raise InputError(f"release needs a dsv4_tree.Request, got {type(req).__name__}")
-        if not req.released:
-            req.released = True
-            req.finalizer()  # runs release_row once, and never again at garbage collection
+            raise InputError(f"release needs a dsv4_tree.Request, got a {type(req).__name__}")
+        _check_live([req])
+        req.released = True
+        req.new_hidden = None
+        req.finalizer()  # runs release_row once, and never again at garbage collection
+        for drafter in list(self._drafters):
+            drafter.release(req)
 
     def state_summary(self, req: Request) -> list:
         """The request's committed state per layer in Hugging Face cache-field names (host copies)."""
-        self._live([req])
+        _check_live([req])
         return self.runtime.committed_view(req.row, req.seq_len)

@@ -1,16 +1,15 @@
 """Speculative generation: rounds of draft -> verify -> accept -> commit."""
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import TreeShape
-from .drafters.ngram import NgramDrafter
+from .drafters.registry import resolve_drafter
 from .errors import InputError
+from .progress import token_bar
 from .verify.accept import Acceptance
 
 
@@ -57,14 +56,24 @@ def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=0.0, 
              eos_token_id=None, generator=None, progress=None) -> GenerateResult:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if drafter is None:
-        drafter = NgramDrafter(TreeShape.from_spec(engine.spec))
+    drafter = resolve_drafter(engine, drafter)
     req = engine.prefill(prompt_ids)
+    try:
+        check_room(engine, req, max_new_tokens)
+        with token_bar(max_new_tokens, progress, "generate") as bar:
+            return _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_id, generator, bar)
+    finally:
+        engine.release(req)
+
+
+def check_room(engine, req, max_new_tokens: int) -> None:
     room = engine.limits.max_positions - 1 - req.seq_len - engine.spec.num_steps
     if max_new_tokens > room:
         raise InputError(f"max_new_tokens={max_new_tokens} exceeds the {room} positions left (after room for a num_steps-deep draft) before "
                          f"max_position_embeddings={engine.limits.max_positions}")
-    show = sys.stderr.isatty() if progress is None else progress
+
+
+def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_id, generator, bar) -> GenerateResult:
     stats, new = GenerateStats(), []
     while len(new) < max_new_tokens:
         tree = drafter.draft(engine, [req])[0]
@@ -80,11 +89,7 @@ def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=0.0, 
         new.extend(emitted)
         stats.rounds += 1
         stats.accept_lengths.append(len(emitted))
-        if show:
-            print(f"\r[generate] {len(new)}/{max_new_tokens} tokens, {stats.rounds} verifies, "
-                  f"{stats.mean_tokens_per_verify:.2f} tok/verify", end="", file=sys.stderr, flush=True)
+        bar.update(len(emitted))
         if stop:
             break
-    if show:
-        print(file=sys.stderr)
     return GenerateResult(new, stats)

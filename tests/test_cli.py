@@ -7,14 +7,20 @@ from dsv4_tree.cli import main
 
 
 def test_demo_chain_and_tree(capsys):
-    """Default: the shipped trained checkpoint with its MTP drafter."""
+    """Default: the shipped trained checkpoint with its MTP drafter, as a chain and as a tree,
+    ending with one comparison line; spec flags select one mode."""
     assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
     out = capsys.readouterr().out
-    assert "rel_err" in out and "PASS" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
+    assert "rel_err" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
+    assert "topk=1 num_steps=3 num_draft_tokens=4" in out and "topk=4 num_steps=3 num_draft_tokens=8" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("compare: chain (topk=1 N=4)") and "| tree (topk=4 N=8)" in last
+    assert last.count("PASS") == 2 and last.count("tokens/verify") == 2 and last.count("tokens/s") == 2
     assert main(["demo", "--rounds", "2", "--prompt-len", "30", "--topk", "3", "--num-steps", "4",
                  "--num-draft-tokens", "10"]) == 0
     out = capsys.readouterr().out
     assert "topk=3 num_steps=4 num_draft_tokens=10" in out and "PASS" in out
+    assert "topk=1 num_steps=3" not in out and out.count("summary:") == 1
 
 
 def test_demo_on_random_checkpoint_with_planted_drafter(capsys):

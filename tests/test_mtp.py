@@ -52,13 +52,15 @@ def test_chain_drafter_equals_step_by_step_mtp():
 def test_draft_tree_shape_and_per_path_mtp_rows(topk, steps, nodes):
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
-    drafter = MtpDrafter(model, TreeShape(topk, steps, nodes))
+    drafter = MtpDrafter(model, TreeShape(topk, steps, nodes), record=True)
+    other = eng.prefill(prompt(9, 40 + topk))  # drafted in the same batch: rows must not mix
     req = eng.prefill(prompt(17 + topk, topk), hidden_rows=10**6)
-    tree = drafter.draft(eng, [req])[0]
+    tree = drafter.draft(eng, [other, req])[1]
     assert tree.num_nodes == nodes and tree.max_depth <= steps and int(tree.tokens[0]) == req.root_token
     assert max(len(tree.children(i)) for i in range(nodes)) <= topk
     # every MTP row of the expansion equals a standalone run of committed rows ++ its path
-    st, rows, dtree = drafter.states[req.request_id], drafter.last_rows, drafter.last_draft_tree
+    st, record = drafter.caches[req.request_id], drafter.records[req.request_id]
+    rows, dtree = record.rows, record.tree
     toks0, hid0 = committed_inputs(req)
     for i in range(dtree.num_nodes):
         path = dtree.path[i][dtree.path[i] >= 0]
@@ -94,14 +96,14 @@ def test_draft_extend_tracks_commits():
         leaf = int(tree.leaves[torch.argmax(tree.depth[tree.leaves])])
         path = tree.path[leaf][tree.path[leaf] >= 0]
         eng.commit([req], [dt.Acceptance(tuple(path.tolist()), 7, req.request_id, out.verify_id)], out)
-    drafter.sync(req)
+    drafter.sync([req])
     fresh = eng.prefill(torch.cat([req.tokens, torch.tensor([req.root_token])]))
     fresh_drafter = MtpDrafter(model, TreeShape(2, 3, 6), mtp=drafter.mtp)
-    fresh_drafter.sync(fresh)
-    a, b = drafter.states[req.request_id], fresh_drafter.states[fresh.request_id]
-    assert a.cache.seq_len == b.cache.seq_len == req.seq_len
+    fresh_drafter.sync([fresh])
+    a, b = drafter.caches[req.request_id], fresh_drafter.caches[fresh.request_id]
+    assert a.seq_len == b.seq_len == req.seq_len
     assert torch.allclose(a.prev_hidden, b.prev_hidden, atol=1e-4)
-    assert torch.allclose(a.cache.layers[0].window, b.cache.layers[0].window, atol=1e-4)
+    assert torch.allclose(a.window, b.window, atol=1e-4)
 
 
 def test_checkpoint_without_mtp_is_a_clear_error(tmp_path):

@@ -29,7 +29,29 @@ class Acceptance:
 
 
 def greedy_path(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
-    """SGLang greedy traversal on one tree: (path node ids, bonus token)."""
+    """SGLang greedy traversal on one tree: (path node ids, bonus token).
+
+    Host walk over plain ints (one argmax per row, no tensor ops per node): from the root,
+    take the first child in sibling order (= lowest local id) whose token is the target's
+    argmax at the current node. Equal to verify_tree_greedy (tests/test_greedy_path.py)."""
+    target = logits.argmax(-1).tolist()
+    n = tree.num_nodes
+    if n == 1:
+        return [0], target[0]
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    accepted_child: dict = {}  # node -> its first child that matches the target there
+    for i in range(1, n):
+        p = parents[i]
+        if p not in accepted_child and tokens[i] == target[p]:
+            accepted_child[p] = i
+    path = [0]
+    while path[-1] in accepted_child:
+        path.append(accepted_child[path[-1]])
+    return path, target[path[-1]]
+
+
+def greedy_path_tensors(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
+    """The same acceptance through SGLang's tensor form (verify_tree_greedy)."""
     n = tree.num_nodes
     first, sib = links_from_parents(tree.parents.unsqueeze(0))
     target = logits.argmax(-1).cpu().unsqueeze(0)

@@ -1,0 +1,85 @@
+"""The MTP draft layer over packed rows, self-contained: mHC, sliding-window attention, MoE.
+
+The draft layer is one DeepSeek-V4 decoder layer with compress ratio 0, so a row's context is
+a list of K=V rows: some already computed (the draft cache window, rows of earlier draft
+steps) and the rows being computed now. `run_rows` takes those as one key table plus a
+per-row index list into `table ++ new rows` and runs the Hugging Face modules' weights with
+the reference sparse attention op; `kv_rows` computes only the K=V rows (draft-extend)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.hf_bindings import apply_rotary_pos_emb
+from ..reference.ops import ref_sparse_mqa_sink
+
+
+@dataclass
+class MtpRows:
+    """What the draft layer computed for T rows."""
+
+    logits: torch.Tensor  # [T, vocab]
+    hidden: torch.Tensor  # [T, hc_mult, hidden] output streams (the input of child rows)
+    raw: torch.Tensor  # [T, head_dim] K=V rows (normed, roped)
+
+    def __post_init__(self) -> None:
+        t = self.logits.shape[0]
+        if self.hidden.shape[0] != t or self.raw.shape[0] != t:
+            raise ValueError(f"MtpRows: {t} logits rows, {self.hidden.shape[0]} hidden, {self.raw.shape[0]} raw")
+
+
+def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor):
+    """ids [T], hidden_in [T, hc, d], positions [T] -> (h [1, T, hc, d], cos, sin [1, T, rope/2])."""
+    emb = model.hf.model.embed_tokens(ids.unsqueeze(0))  # [1, T, d]
+    h = mtp.inputs(emb[0], hidden_in)
+    label = mtp.decoder.self_attn.rope_layer_type
+    cos, sin = model.hf.model.rotary_emb(emb, position_ids=positions.unsqueeze(0), layer_type=label)
+    return h, cos, sin
+
+
+def _kv(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """K=V rows of layer inputs x [1, T, hidden] -> [T, head_dim]."""
+    t, d = x.shape[1], attn.head_dim
+    kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
+    return apply_rotary_pos_emb(kv, cos, sin)[0, 0]
+
+
+@torch.no_grad()
+def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Only the K=V rows the draft layer stores for these inputs ([T, head_dim]): a row's K=V
+    depends on its own input alone."""
+    h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
+    layer = mtp.decoder
+    _, _, collapsed = layer.attn_hc(h)
+    return _kv(layer.self_attn, layer.input_layernorm(collapsed), cos, sin)
+
+
+@torch.no_grad()
+def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
+             table: torch.Tensor, index: torch.Tensor) -> MtpRows:
+    """The draft layer over T new rows.
+
+    ids [T] tokens; hidden_in [T, hc, d] input streams; positions [T] RoPE positions;
+    table [M, head_dim] K=V rows computed earlier; index [T, K] ids into table ++ the T new
+    rows (new row t is M + t), -1 = no key. Each row must list itself."""
+    layer, attn = mtp.decoder, mtp.decoder.self_attn
+    t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
+    h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
+    dtype = h.dtype
+    post, comb, collapsed = layer.attn_hc(h)
+    x = layer.input_layernorm(collapsed)
+    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
+    q = apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
+    kv = _kv(attn, x, cos, sin)
+    keys = torch.cat([table, kv])
+    none = kv.new_zeros((0, d))
+    out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
+    out = apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d]
+    attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
+    h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    post, comb, collapsed = layer.ffn_hc(h)
+    mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids.unsqueeze(0))
+    h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    logits = model.hf.lm_head(mtp.norm(mtp.hc_head(h)))[0]
+    return MtpRows(logits, h[0], kv)

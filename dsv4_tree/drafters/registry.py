@@ -1,0 +1,53 @@
+"""Drafters by name: "mtp" | "ngram" | "planted" | an object with draft(engine, requests).
+
+A name builds the drafter for the engine's tree shape once and keeps it on the engine (the
+MTP block's weights are read once per engine, not per call). Every resolved drafter with a
+`release(req)` method is registered with the engine, so Engine.release drops its
+per-request state."""
+from __future__ import annotations
+
+from ..errors import InputError
+from .base import TreeShape
+
+DRAFTER_NAMES = ("mtp", "ngram", "planted")
+
+
+def _build(name: str, engine):
+    shape = TreeShape.from_spec(engine.spec)
+    if name == "mtp":
+        from .mtp import MtpDrafter
+
+        return MtpDrafter(engine.model, shape)
+    if name == "ngram":
+        from .ngram import NgramDrafter
+
+        return NgramDrafter(shape)
+    from .planted import PlantedDrafter
+
+    return PlantedDrafter(engine.model, shape)
+
+
+def resolve_drafter(engine, drafter, default: str = "ngram"):
+    """The drafter object for `drafter` (None = `default`); InputError names the choices."""
+    if drafter is None:
+        drafter = default
+    if isinstance(drafter, str):
+        if drafter not in DRAFTER_NAMES:
+            raise InputError(f"drafter={drafter!r} is not a drafter name; choose one of {', '.join(DRAFTER_NAMES)} "
+                             "or pass an object with a draft(engine, requests) method")
+        named = engine.named_drafters
+        if drafter not in named:
+            named[drafter] = _build(drafter, engine)
+        drafter = named[drafter]
+    elif isinstance(drafter, type) or not callable(getattr(drafter, "draft", None)):
+        raise InputError(f"drafter must be one of {', '.join(map(repr, DRAFTER_NAMES))} or an object with a "
+                         f"draft(engine, requests) method; got {_describe(drafter)}")
+    if callable(getattr(drafter, "release", None)):
+        engine.register_drafter(drafter)
+    return drafter
+
+
+def _describe(drafter) -> str:
+    if isinstance(drafter, type):
+        return f"the class {drafter.__name__} (pass an instance)"
+    return f"a {type(drafter).__name__}"
