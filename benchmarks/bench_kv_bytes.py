@@ -1,7 +1,8 @@
 """Bytes per stored token of each KV storage dtype and record kind, measured on KVPool objects:
 the record size (`bytes_per_token`) and the allocated bytes per slot including page padding
 (`storage.nbytes / (num_pages * page_size)`), plus the round-trip error of Gaussian rows
-(worst over rows of max|read - written| / max|written|, rows written in the compute dtype). Human table first, one JSON line last."""
+(worst over rows of max|read - written| / max|written|, rows written in the compute dtype).
+Human table first, one JSON line last."""
 from __future__ import annotations
 
 import argparse

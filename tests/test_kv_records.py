@@ -155,7 +155,8 @@ def test_index_key_records():
         s = scales.view(torch.float32)  # [40, n_blocks]
         for b, blk in enumerate(tiles_of(rows, 128)):
             amax = torch.clamp_min(blk.abs().amax(dim=1), 1e-4) / 448.0
-            assert torch.equal(s[:, b], torch.exp2(torch.ceil(torch.log2(amax.double()))).float()), f"{dim=} {b=}"
+            want = torch.exp2(torch.ceil(torch.log2(amax.double()))).float()
+            assert torch.equal(s[:, b], want), f"{dim=} {b=}"
         back = dequantize_rows(data, scales, lay, torch.float32)
         sb = s.repeat_interleave(128, dim=1)[:, :dim]
         assert ((back - rows).abs() <= torch.maximum(rows.abs() * 2.0**-4, sb * 2.0**-10)).all(), f"{dim=}"

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4_tree.errors import InputError
 from dsv4_tree.serving import tree_swa_page_indices
-from test_kv_pool import NoHostSync
+from no_host_sync import NoHostSync
 
 
 def sglang_chain_rule(req_to_token, full_to_swa_mapping, req_pool_indices_repeated, seq_lens_casual,
@@ -71,26 +73,20 @@ def test_chain_equals_sglang_rule(seq_lens, n, window, page_size, aligned):
     req_to_token, mapping = paged_tables([p + n for p in seq_lens], page_size, g, rows=bs + 2)
     req_pool_indices = torch.randperm(bs + 2, generator=g)[:bs]
     P = torch.tensor(seq_lens)
-    got = tree_swa_page_indices(req_to_token, mapping, req_pool_indices, P, random_parents(bs, n, g, chain=True),
-                                window, aligned)
+    chain = random_parents(bs, n, g, chain=True)
+    got = tree_swa_page_indices(req_to_token, mapping, req_pool_indices, P, chain, window, aligned)
     lengths = (P.view(bs, 1) + torch.arange(1, n + 1)).view(-1)  # L = P + j + 1
-    want = sglang_chain_rule(req_to_token, mapping, req_pool_indices.repeat_interleave(n), lengths, window, aligned)
+    rows_req = req_pool_indices.repeat_interleave(n)
+    want = sglang_chain_rule(req_to_token, mapping, rows_req, lengths, window, aligned)
     assert got.dtype == torch.int32 and got.shape == (bs * n, -(-window // aligned) * aligned)
     assert torch.equal(got, want), f"{seq_lens=} {n=} {window=} {page_size=} {aligned=}"
     assert (got[:, window:] == -1).all()
 
 
-@pytest.mark.parametrize("page_size", [256, 16])
-@pytest.mark.parametrize("seq_lens,n,window", SHAPES)
-def test_tree_rows_equal_the_chain_rule_on_their_path(seq_lens, n, window, page_size):
-    """Row (b, i) = the chain rule applied to a request row whose positions are the committed
-    ones followed by path(i)'s draft slots laid out consecutively."""
-    g = torch.Generator().manual_seed(n * 7 + window + page_size)
-    bs = len(seq_lens)
-    req_to_token, mapping = paged_tables([p + n for p in seq_lens], page_size, g)
-    req_pool_indices = torch.arange(bs).flip(0)
-    parents = random_parents(bs, n, g)
-    got = tree_swa_page_indices(req_to_token, mapping, req_pool_indices, torch.tensor(seq_lens), parents, window)
+def per_path_chain_rule(req_to_token, mapping, req_pool_indices, seq_lens, parents, window):
+    """The chain rule applied, for each row (b, i), to a request row holding the committed slots
+    then path(i)'s draft slots laid out consecutively."""
+    bs, n = parents.shape
     chain_rows = torch.full((bs * n, req_to_token.shape[1]), -1, dtype=torch.int32)
     lengths = []
     for b, P in enumerate(seq_lens):
@@ -100,7 +96,35 @@ def test_tree_rows_equal_the_chain_rule_on_their_path(seq_lens, n, window, page_
             chain_rows[b * n + i, :P] = src[:P]
             chain_rows[b * n + i, P : P + len(path)] = src[P + torch.tensor(path)]
             lengths.append(P + len(path))
-    want = sglang_chain_rule(chain_rows, mapping, torch.arange(bs * n), torch.tensor(lengths), window, 64)
+    return sglang_chain_rule(chain_rows, mapping, torch.arange(bs * n), torch.tensor(lengths), window, 64)
+
+
+@pytest.mark.parametrize("page_size", [256, 16])
+@pytest.mark.parametrize("seq_lens,n,window", SHAPES)
+def test_tree_rows_equal_the_chain_rule_on_their_path(seq_lens, n, window, page_size):
+    g = torch.Generator().manual_seed(n * 7 + window + page_size)
+    bs = len(seq_lens)
+    req_to_token, mapping = paged_tables([p + n for p in seq_lens], page_size, g)
+    req_pool_indices = torch.arange(bs).flip(0)
+    parents = random_parents(bs, n, g)
+    P = torch.tensor(seq_lens)
+    got = tree_swa_page_indices(req_to_token, mapping, req_pool_indices, P, parents, window)
+    want = per_path_chain_rule(req_to_token, mapping, req_pool_indices, seq_lens, parents, window)
+    assert torch.equal(got, want), f"{seq_lens=} {n=} {window=} {page_size=} parents={parents.tolist()}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), bs=st.integers(1, 3), n=st.integers(1, 12), window=st.integers(1, 40),
+       page_size=st.sampled_from([16, 256]))
+def test_tree_rows_property(data, bs, n, window, page_size):
+    seq_lens = data.draw(st.lists(st.integers(0, 60), min_size=bs, max_size=bs), label="seq_lens")
+    parents = torch.tensor([[-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(bs)])
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    req_to_token, mapping = paged_tables([p + n for p in seq_lens], page_size, g)
+    req_pool_indices = torch.randperm(bs, generator=g)
+    P = torch.tensor(seq_lens)
+    got = tree_swa_page_indices(req_to_token, mapping, req_pool_indices, P, parents, window)
+    want = per_path_chain_rule(req_to_token, mapping, req_pool_indices, seq_lens, parents, window)
     assert torch.equal(got, want), f"{seq_lens=} {n=} {window=} {page_size=} parents={parents.tolist()}"
 
 

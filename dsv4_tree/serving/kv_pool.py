@@ -83,7 +83,8 @@ class KVPool:
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Bitwise record moves src[k] -> dst[k] (data and scales); every read happens before any write."""
         if src.shape != dst.shape or src.dim() != 1:
-            raise InputError(f"KVPool.copy needs src and dst of one shape [n], got {tuple(src.shape)} {tuple(dst.shape)}")
+            raise InputError(f"KVPool.copy needs src and dst of one shape [n], "
+                             f"got {tuple(src.shape)} {tuple(dst.shape)}")
         if self.layout is None:
             self.storage[dst] = self.storage[src]
         else:

@@ -57,9 +57,11 @@ class RecordLayout:
 
     def __post_init__(self):
         if self.head_dim <= 0 or self.tile <= 0:
-            raise ConfigError(f"RecordLayout needs head_dim > 0 and tile > 0, got {self.head_dim=} {self.tile=}")
+            raise ConfigError(f"RecordLayout needs head_dim > 0 and tile > 0, got {self.head_dim=} "
+                              f"{self.tile=}")
         if not 0 <= self.rope_dim < self.head_dim:
-            raise ConfigError(f"RecordLayout needs 0 <= rope_dim < head_dim, got {self.rope_dim=} {self.head_dim=}")
+            raise ConfigError(f"RecordLayout needs 0 <= rope_dim < head_dim, got {self.rope_dim=} "
+                              f"{self.head_dim=}")
 
     @property
     def nope_dim(self) -> int:
@@ -132,7 +134,7 @@ def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
     """[n, c] -> [n, ceil(c / tile), tile], zero-padded (zeros never raise a tile's amax)."""
     n, c = x.shape
     pad = _cdiv(c, tile) * tile - c
-    return torch.nn.functional.pad(x, (0, pad)).view(n, -1, tile)
+    return torch.nn.functional.pad(x, (0, pad)).view(n, (c + pad) // tile, tile)
 
 
 def _e4m3_bytes(scaled: torch.Tensor) -> torch.Tensor:
@@ -144,7 +146,8 @@ def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     return codes.clone().view(torch.float8_e4m3fn).to(torch.float32)
 
 
-def quantize_rows(rows: torch.Tensor, layout: RecordLayout | IndexKeyLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(rows: torch.Tensor,
+                  layout: RecordLayout | IndexKeyLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [n, head_dim] float -> (data uint8 [n, data_bytes], scales uint8 [n, scale_bytes])."""
     if isinstance(layout, IndexKeyLayout):
         return _quantize_index_keys(rows, layout)
@@ -153,7 +156,7 @@ def quantize_rows(rows: torch.Tensor, layout: RecordLayout | IndexKeyLayout) -> 
     tiles = _tiles(x[:, : layout.nope_dim], layout.tile)  # [n, n_tiles, tile]
     amax = tiles.abs().amax(dim=-1)  # [n, n_tiles]
     exponent = ceil_log2(torch.clamp_min(amax / E4M3_MAX, SCALE_FLOOR))  # [n, n_tiles]
-    codes = _e4m3_bytes(tiles * pow2(-exponent).unsqueeze(-1)).view(n, -1)[:, : layout.nope_dim]
+    codes = _e4m3_bytes(tiles * pow2(-exponent).unsqueeze(-1)).flatten(1)[:, : layout.nope_dim]
     rope = x[:, layout.nope_dim :].to(torch.bfloat16).view(torch.uint8)  # [n, 2 * rope_dim]
     data = torch.cat([codes, rope], dim=1)
     scales = torch.zeros(n, layout.scale_bytes, dtype=torch.uint8, device=rows.device)
@@ -166,27 +169,24 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, layout: RecordLayo
     """(data uint8 [n, data_bytes], scales uint8 [n, scale_bytes]) -> rows [n, head_dim] in dtype."""
     if isinstance(layout, IndexKeyLayout):
         return _dequantize_index_keys(data, scales, layout, dtype)
-    n = data.shape[0]
     codes = _tiles(_e4m3_values(data[:, : layout.nope_dim]), layout.tile)  # [n, n_tiles, tile]
     scale = pow2(scales[:, : layout.n_tiles].to(torch.int32) - E8M0_BIAS)  # [n, n_tiles]
-    nope = (codes * scale.unsqueeze(-1)).view(n, -1)[:, : layout.nope_dim]
+    nope = (codes * scale.unsqueeze(-1)).flatten(1)[:, : layout.nope_dim]
     rope = data[:, layout.nope_dim :].clone().view(torch.bfloat16).to(torch.float32)
     return torch.cat([nope, rope], dim=1).to(dtype)
 
 
 def _quantize_index_keys(rows: torch.Tensor, layout: IndexKeyLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    n = rows.shape[0]
     blocks = _tiles(rows.to(torch.float32), layout.block)  # [n, n_blocks, block]
     amax = blocks.abs().amax(dim=-1)  # [n, n_blocks]
     exponent = ceil_log2(torch.clamp_min(amax, SCALE_FLOOR) / E4M3_MAX)
-    data = _e4m3_bytes(blocks * pow2(-exponent).unsqueeze(-1)).view(n, -1)[:, : layout.dim]
-    scales = pow2(exponent).view(torch.uint8).view(n, layout.scale_bytes)
+    data = _e4m3_bytes(blocks * pow2(-exponent).unsqueeze(-1)).flatten(1)[:, : layout.dim]
+    scales = pow2(exponent).view(torch.uint8)  # [n, 4 * n_blocks], little-endian float32
     return data, scales
 
 
 def _dequantize_index_keys(data: torch.Tensor, scales: torch.Tensor, layout: IndexKeyLayout,
                            dtype: torch.dtype) -> torch.Tensor:
-    n = data.shape[0]
     codes = _tiles(_e4m3_values(data), layout.block)  # [n, n_blocks, block]
     scale = scales.clone().view(torch.float32)  # [n, n_blocks]
-    return (codes * scale.unsqueeze(-1)).view(n, -1)[:, : layout.dim].to(dtype)
+    return (codes * scale.unsqueeze(-1)).flatten(1)[:, : layout.dim].to(dtype)

@@ -48,7 +48,8 @@ def tree_swa_page_indices(req_to_token: torch.Tensor, full_to_swa_mapping: torch
         raise InputError(f"req_to_token must be 2-D and full_to_swa_mapping 1-D, got "
                          f"{tuple(req_to_token.shape)} and {tuple(full_to_swa_mapping.shape)}")
     if swa_window <= 0 or page_index_aligned_size <= 0:
-        raise InputError(f"swa_window and page_index_aligned_size must be > 0, got {swa_window=} {page_index_aligned_size=}")
+        raise InputError(f"swa_window and page_index_aligned_size must be > 0, "
+                         f"got {swa_window=} {page_index_aligned_size=}")
     device = parents.device
     width = swa_window
     anc = _ancestor_columns(parents, min(width, n))  # [bs, N, min(W, N)]
