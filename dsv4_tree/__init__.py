@@ -1,5 +1,5 @@
 """dsv4-tree: tree speculative verify for DeepSeek-V4 attention, equal to per-path runs."""
-from . import reference, tree
+from . import reference, serving, tree
 from .config import SpecConfig
 from .engine import Engine, Request, VerifyOutput
 from .errors import CheckpointError, ConfigError, Dsv4TreeError, InputError, StateError, TreeError
@@ -13,5 +13,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
     "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "load_model", "reference",
-    "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
+    "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]

@@ -13,6 +13,10 @@ from dsv4_tree.train.corpus import heldout_prompt
 # Scores are products of up to num_steps fp32 probabilities; the incremental rows sum their
 # attention in another order than the dense HF layer, so they differ by rounding (seen: <1e-5).
 SCORE_TOL = 1e-5
+# Across commits the reference starts from a fresh prefill, whose target streams come from
+# GEMMs of another row count than the verify rows the drafter extends from: its inputs differ
+# by rounding too (~1e-7 relative), which small probabilities amplify (seen: 1.1e-5).
+COMMIT_SCORE_TOL = 3e-5
 
 
 @functools.lru_cache(maxsize=None)
@@ -20,24 +24,24 @@ def trained():
     return dt.load_model(dt.trained_checkpoint())
 
 
-def near_tie(ref) -> bool:
-    """Two candidates of the reference pool whose scores differ by less than SCORE_TOL relative."""
+def near_tie(ref, tol: float = SCORE_TOL) -> bool:
+    """Two candidates of the reference pool whose scores differ by less than tol relative."""
     s = torch.sort(torch.cat([x.reshape(-1) for x in ref.score_list]), descending=True).values
-    gaps = (s[:-1] - s[1:]) <= SCORE_TOL * s[:-1].abs()
+    gaps = (s[:-1] - s[1:]) <= tol * s[:-1].abs()
     return bool(gaps.any())
 
 
-def compare(ex, b: int, ref, label: str) -> bool:
+def compare(ex, b: int, ref, label: str, tol: float = SCORE_TOL) -> bool:
     """True: same tree and scores within SCORE_TOL. False is allowed only where the reference
     has a near tie (either order is then correct)."""
     tree = ex.trees[b]
     same = torch.equal(tree.tokens, ref.tree.tokens) and torch.equal(tree.parents, ref.tree.parents)
     err = max(float(((a[b] - r[0]).abs() / r[0].abs().clamp_min(1e-30)).max())
               for a, r in zip(ex.score_list, ref.score_list))
-    if same and err <= SCORE_TOL:
+    if same and err <= tol:
         assert all(torch.equal(a[b], r[0]) for a, r in zip(ex.token_list, ref.token_list)), label
         return True
-    assert near_tie(ref), f"{label}: trees equal={same}, score rel err {err:.2e}, and no near tie explains it"
+    assert near_tie(ref, tol), f"{label}: trees equal={same}, score rel err {err:.2e}, and no near tie explains it"
     return False
 
 
@@ -68,7 +72,7 @@ def test_incremental_equals_full_recompute_across_commits():
         for b, req in enumerate(reqs):
             fresh = eng.prefill(torch.cat([req.tokens, torch.tensor([req.root_token])]))
             ref = full_recompute_draft(model, drafter.mtp, fresh, topk, steps, nodes)
-            exact += compare(ex, b, ref, f"round {rnd} request {b} P={req.seq_len}")
+            exact += compare(ex, b, ref, f"round {rnd} request {b} P={req.seq_len}", COMMIT_SCORE_TOL)
             total += 1
             eng.release(fresh)
         out = eng.verify(reqs, ex.trees)

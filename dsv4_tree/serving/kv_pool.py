@@ -1,35 +1,119 @@
-"""KVPool: one pool of token records (storage only; slots in, rows out)."""
+"""One pool of per-token rows (K=V rows, compressed entries or indexer keys): slots and bytes.
+
+A slot is an integer in [0, num_slots); page `slot // page_size` holds it at offset
+`slot % page_size`. The pool knows nothing of requests, positions or trees. Every method is a
+pure tensor op on the pool's device: no `.item()`, `.tolist()` or `nonzero` on device data, so
+they can run inside the model forward without synchronising the host. Slot ranges in
+write/copy/record_bytes are the caller's guarantee (no per-call check on device values).
+
+Storage per `kv_dtype`:
+* "auto": `[num_slots, head_dim]` in `compute_dtype`, exact;
+* "bfloat16": `[num_slots, head_dim]` bfloat16 (round-to-nearest-even on write);
+* "fp8_e4m3": uint8 `[num_pages, page_bytes]`, FP8 records (`records.py`): kind "kv" uses the
+  DeepSeek-V4 KV record, kind "index_key" the indexer-key record (all channels e4m3, one float32
+  scale per 128 values; `rope_dim` plays no part there). Per page, every token's data record
+  first, then every token's scale record."""
 from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
+from .records import IndexKeyLayout, RecordLayout, dequantize_rows, quantize_rows
 
-KV_DTYPES = ("auto", "bfloat16")
+KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+POOL_KINDS = ("kv", "index_key")
 
 
 class KVPool:
     def __init__(self, num_slots: int, head_dim: int, rope_dim: int, kv_dtype: str, page_size: int,
                  device, compute_dtype: torch.dtype, kind: str = "kv"):
         if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={kv_dtype!r} is unknown; choose one of {KV_DTYPES}")
+            raise ConfigError(f"kv_cache_dtype={kv_dtype!r} is not one of {KV_DTYPES}")
+        if kind not in POOL_KINDS:
+            raise ConfigError(f"KVPool kind={kind!r} is not one of {POOL_KINDS}")
+        if num_slots <= 0 or page_size <= 0:
+            raise ConfigError(f"KVPool needs num_slots > 0 and page_size > 0, got {num_slots=} {page_size=}")
+        if not 0 <= rope_dim < head_dim:
+            raise ConfigError(f"KVPool needs 0 <= rope_dim < head_dim, got {rope_dim=} {head_dim=}")
+        if not compute_dtype.is_floating_point:
+            raise ConfigError(f"KVPool compute_dtype must be a float dtype, got {compute_dtype}")
         self.num_slots, self.head_dim, self.rope_dim = num_slots, head_dim, rope_dim
-        self.kv_dtype, self.page_size, self.kind = kv_dtype, page_size, kind
+        self.page_size, self.kv_dtype, self.kind = page_size, kv_dtype, kind
         self.compute_dtype = compute_dtype
-        self.layout = None
-        store = compute_dtype if kv_dtype == "auto" else torch.bfloat16
-        self.storage = torch.zeros(num_slots, head_dim, dtype=store, device=device)
-        self.bytes_per_token = head_dim * self.storage.element_size()
+        self.device = torch.device(device)
+        self.num_pages = -(-num_slots // page_size)
+        self.layout: RecordLayout | IndexKeyLayout | None = None  # FP8 pools only
+        if kv_dtype == "fp8_e4m3":
+            self.layout = RecordLayout(head_dim, rope_dim) if kind == "kv" else IndexKeyLayout(head_dim)
+            self.page_bytes = self.layout.page_bytes(page_size)
+            self.bytes_per_token = self.layout.bytes_per_token
+            self.storage = torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=self.device)
+        else:
+            dtype = compute_dtype if kv_dtype == "auto" else torch.bfloat16
+            self.storage = torch.zeros(num_slots, head_dim, dtype=dtype, device=self.device)
+            self.bytes_per_token = head_dim * self.storage.element_size()
+            self.page_bytes = page_size * self.bytes_per_token
+
+    def __repr__(self) -> str:
+        return (f"KVPool(kind={self.kind!r}, kv_dtype={self.kv_dtype!r}, num_slots={self.num_slots}, "
+                f"head_dim={self.head_dim}, rope_dim={self.rope_dim}, page_size={self.page_size}, "
+                f"bytes_per_token={self.bytes_per_token})")
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.storage.index_copy_(0, slots, rows.to(self.storage.dtype))
+        """slots int64 [n], rows [n, head_dim] float: store (quantising in FP8 pools)."""
+        if slots.dim() != 1 or rows.shape != (slots.shape[0], self.head_dim):
+            raise InputError(f"KVPool.write needs slots [n] and rows [n, {self.head_dim}], "
+                             f"got slots {tuple(slots.shape)} rows {tuple(rows.shape)}")
+        if self.layout is None:
+            self.storage[slots] = rows.to(self.storage.dtype)
+        else:
+            self._scatter(slots, *quantize_rows(rows, self.layout))
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.storage[slots.clamp(min=0)].to(self.compute_dtype)
-        return rows.masked_fill((slots < 0).unsqueeze(-1), 0)
+        """slots int [...] -> rows [..., head_dim] in compute_dtype; slot -1 reads as zeros."""
+        flat = slots.reshape(-1)
+        safe = flat.clamp_min(0)
+        if self.layout is None:
+            rows = self.storage[safe].to(self.compute_dtype)
+        else:
+            rows = dequantize_rows(*self._gather(safe), self.layout, self.compute_dtype)
+        rows = rows.masked_fill((flat < 0).unsqueeze(1), 0)
+        return rows.view(*slots.shape, self.head_dim)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.storage.index_copy_(0, dst, self.storage[src])
+        """Bitwise record moves src[k] -> dst[k] (data and scales); every read happens before any write."""
+        if src.shape != dst.shape or src.dim() != 1:
+            raise InputError(f"KVPool.copy needs src and dst of one shape [n], "
+                             f"got {tuple(src.shape)} {tuple(dst.shape)}")
+        if self.layout is None:
+            self.storage[dst] = self.storage[src]
+        else:
+            self._scatter(dst, *self._gather(src))
 
     def record_bytes(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.storage[slots].contiguous().view(torch.uint8).view(slots.shape[0], -1)
+        """slots int64 [n] -> uint8 [n, bytes_per_token]: the stored bytes (data record, then scale record)."""
+        if self.layout is None:
+            return self.storage[slots].view(torch.uint8)
+        return torch.cat(self._gather(slots), dim=1)
+
+    def _byte_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat byte offsets of each slot's data record [n, data_bytes] and scale record [n, scale_bytes]."""
+        layout, ps = self.layout, self.page_size
+        page_start = (slots // ps) * self.page_bytes
+        offset = slots % ps
+        data_start = page_start + offset * layout.data_bytes
+        scale_start = page_start + ps * layout.data_bytes + offset * layout.scale_bytes
+        data_cols = torch.arange(layout.data_bytes, device=slots.device)
+        scale_cols = torch.arange(layout.scale_bytes, device=slots.device)
+        return data_start.unsqueeze(1) + data_cols, scale_start.unsqueeze(1) + scale_cols
+
+    def _gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data_at, scale_at = self._byte_index(slots.to(torch.int64))
+        flat = self.storage.view(-1)
+        return flat[data_at], flat[scale_at]
+
+    def _scatter(self, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+        data_at, scale_at = self._byte_index(slots.to(torch.int64))
+        flat = self.storage.view(-1)
+        flat[data_at] = data
+        flat[scale_at] = scales
