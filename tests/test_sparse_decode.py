@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from _pool_standin import StandinKVPool
+from dsv4_tree.serving import KVPool
 from dsv4_tree import kernels
 from dsv4_tree.errors import InputError
 from dsv4_tree.reference import indexer_scores, ref_indexer_gather_scores, ref_sparse_decode, ref_sparse_mqa_sink
@@ -34,7 +34,7 @@ DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 
 def make_pool(num_slots, head_dim, rope_dim, kv_dtype, page_size, kind="kv"):
     """The one place tests build a pool (fp32 compute dtype)."""
-    return StandinKVPool(num_slots, head_dim, rope_dim, kv_dtype, page_size, DEV, torch.float32, kind=kind)
+    return KVPool(num_slots, head_dim, rope_dim, kv_dtype, page_size, DEV, torch.float32, kind=kind)
 
 
 def filled_pool(gen, num_slots, head_dim, rope_dim, kv_dtype, page_size, kind="kv"):
