@@ -1,0 +1,89 @@
+"""Tree verify over bf16 and FP8 pools (fp32 weights): trees equal chains of their paths over
+the same pools, speculation changes no greedy token, and the error against fp32 Hugging Face
+is measured per storage dtype."""
+import functools
+
+import pytest
+import torch
+
+import dsv4_tree as dt
+from cases import prompt, random_tree
+from dsv4_tree.reference import per_path_logits, relative_error
+from dsv4_tree.train.corpus import heldout_prompt
+
+# A draft row computed inside a 24-row tree and inside a short chain can differ in its last
+# fp32 bits (other GEMM shapes); a value on an FP8 / bf16 rounding boundary then lands on the
+# neighbouring code and moves logits by ~1e-3. Structural bugs (a sibling's row or entry
+# leaking in) move them by >= 0.5, so 5e-3 still separates rounding from bugs.
+CHAIN_TOL = 5e-3
+# Worst relative logit error against fp32 Hugging Face per-path runs, measured on this test's
+# case (tiny random checkpoint, P = 299, 24-node tree): auto 7.6e-7, bfloat16 1.4e-2,
+# fp8_e4m3 7.6e-2. Ceilings at ~3x the measurement: storage rounding (bf16: 2^-9 relative per
+# value; e4m3: 2^-4 per value, power-of-two tile scales) compounds through 4 layers.
+HF_BOUND = {"auto": 1e-4, "bfloat16": 5e-2, "fp8_e4m3": 2.5e-1}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny():
+    return dt.load_model(dt.tiny_checkpoint())
+
+
+def stored(eng, out, rows):
+    return [lp.swa.record_bytes(out.plan.out_loc[rows]) for lp in eng.runtime.pools]
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_tree_nodes_equal_chain_verify_of_their_path(kv):
+    model = tiny()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv,
+                                         page_size=16))
+    p = prompt(300, 3)
+    req = eng.prefill(p)
+    tree = random_tree(req.root_token, 24, 8, 3, 5)
+    out = eng.verify([req], [tree])
+    assert out.topk_ties == 0
+    tree_bytes = stored(eng, out, torch.arange(tree.num_nodes))
+    flips = total = 0
+    for leaf in tree.leaves.tolist():
+        path = tree.path[leaf][tree.path[leaf] >= 0]
+        chain = eng.verify([req], [dt.DraftTree.chain(tree.tokens[path])])
+        err = relative_error(out.logits[0][path], chain.logits[0])
+        assert err <= CHAIN_TOL, f"{kv=} leaf {leaf}: tree rows differ from the chain of their path by {err:.2e}"
+        for tb, cb in zip(tree_bytes, stored(eng, chain, torch.arange(path.numel()))):
+            flips += int((tb[path] != cb).sum())
+            total += cb.numel()
+    # last-bit differences may flip a few stored codes; a structural bug would change most bytes
+    assert flips <= 0.01 * total, f"{kv=}: {flips} of {total} stored bytes differ between tree and chain rows"
+
+
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "fp8_e4m3"])
+def test_error_against_fp32_hugging_face_per_dtype(kv):
+    model = tiny()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv))
+    p = prompt(300, 3)
+    req = eng.prefill(p)
+    tree = random_tree(req.root_token, 24, 8, 3, 5)
+    out = eng.verify([req], [tree])
+    err = relative_error(out.logits[0], per_path_logits(model, p[:-1], tree))
+    print(f"kv_cache_dtype={kv}: worst relative error vs fp32 HF per-path = {err:.2e}")
+    assert err <= HF_BOUND[kv], f"{kv=}: {err:.2e} > {HF_BOUND[kv]:.0e}"
+    if kv != "auto":
+        assert err > 1e-5, f"{kv=}: error {err:.2e} is too small for rounded storage; is the pool really {kv}?"
+
+
+class NoDraft:
+    """Plain decoding: a one-node tree (the pending root) per round."""
+
+    def draft(self, engine, requests):
+        return [dt.DraftTree.chain([r.root_token]) for r in requests]
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_greedy_speculation_equals_plain_greedy(kv):
+    model = dt.load_model(dt.trained_checkpoint())
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=4, num_draft_tokens=8, kv_cache_dtype=kv))
+    text = heldout_prompt(120, 7)
+    spec = eng.generate(text, 64, drafter="mtp")
+    plain = eng.generate(text, 64, drafter=NoDraft())
+    assert spec.tokens == plain.tokens, f"{kv=}"
+    assert spec.stats.mean_tokens_per_verify > 1.2, f"{kv=}: drafts were hardly accepted"
