@@ -134,3 +134,21 @@ def test_cuda_graph_replay_equals_eager():
         for a, b in zip(outs[0].logits, outs[1].logits):
             assert torch.allclose(a, b, rtol=REL_TOL, atol=REL_TOL * float(a.abs().max()))
     assert len(graphed._graphs.graphs) == 1
+
+
+def test_engine_window_table_equals_public_sglang_builder():
+    """The engine's per-row window lists are what dt.serving.tree_swa_page_indices gives from
+    SGLang-shaped inputs (req_to_token, full_to_swa_mapping) over the same page tables."""
+    model = small_model()
+    eng = engine_for(model, page_size=16)
+    reqs = [eng.prefill(prompt(n, n)) for n in (3, 30, 61)]
+    trees = [random_tree(r.root_token, 10, 6, 3, i) for i, r in enumerate(reqs)]
+    plan = eng.plan(reqs, trees)
+    pages = eng.runtime.pages
+    parents = torch.stack([t.parents for t in trees])
+    got = dt.serving.tree_swa_page_indices(pages.req_to_token(), pages.full_to_swa_mapping(),
+                                           torch.tensor(plan.rows), torch.tensor(plan.seq_lens), parents,
+                                           model.window)
+    w = model.window
+    assert torch.equal(got[:, :w].long(), plan.swa_index)
+    assert bool((got[:, w:] == -1).all())
