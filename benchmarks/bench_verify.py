@@ -144,6 +144,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                     help="pool storage of K=V rows and compressed entries")
+    ap.add_argument("--backend", default="torch", choices=("torch", "triton"), help="SpecConfig.attention_backend")
     ap.add_argument("--plot", default="bench_out/bench_verify.png", help="PNG path ('' to skip)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -159,11 +160,12 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = bench_model(args.layers, args.device, dtype)
     spec = dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64, max_requests=2,
-                         max_total_tokens=max(contexts) + 1024, kv_cache_dtype=args.kv_cache_dtype)
+                         max_total_tokens=max(contexts) + 1024, kv_cache_dtype=args.kv_cache_dtype,
+                         attention_backend=args.backend)
     engine = dt.Engine(model, spec)
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
-    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; kv {args.kv_cache_dtype}; {args.layers} layers "
+    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; kv {args.kv_cache_dtype}; {args.backend} backend; {args.layers} layers "
           f"(64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128); model built in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
     records = []
@@ -203,7 +205,7 @@ def main(argv=None):
     head = min(trees, key=lambda r: abs(r["context"] - 65536))
     summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
                                     "extra_mem_frac", "context", "N")}
-    summary.update(machine=machine, dtype=str(dtype), kv_cache_dtype=args.kv_cache_dtype, records=records)
+    summary.update(machine=machine, dtype=str(dtype), kv_cache_dtype=args.kv_cache_dtype, backend=args.backend, records=records)
     print(json.dumps(summary))
 
 
