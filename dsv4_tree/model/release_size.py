@@ -2,8 +2,8 @@
 
 Builds the model and its MTP block on the meta device (no memory), names the tensors as the
 release does and applies the writer's storage rule to each: FP8 linears (1 byte per weight plus
-one fp32 scale per 128x128 block), FP4 experts (half a byte per weight plus one fp32 scale per
-32), everything else at its stored width (bf16; integer tables as stored)."""
+one scale per 128x128 block), FP4 experts (half a byte per weight plus one scale per 32),
+everything else at its stored width (bf16; integer tables as stored)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +33,9 @@ class ReleaseSize:
         return (self.params - self.int_params) * torch.empty(0, dtype=dtype).element_size() + self.int_bytes
 
 
-def release_size(config, with_mtp: bool = True) -> ReleaseSize:
+def release_size(config, with_mtp: bool = True, scale_bytes: int = 4) -> ReleaseSize:
+    """scale_bytes: 4 for fp32 scales (what write_release stores, scale_fmt="float"), 1 for
+    UE8M0 power-of-two scales (scale_fmt="ue8m0")."""
     from .hf_bindings import DeepseekV4ForCausalLM
     from .mtp import MtpBlock, to_checkpoint_names
 
@@ -47,10 +49,10 @@ def release_size(config, with_mtp: bool = True) -> ReleaseSize:
         kind, n = storage_kind(name, t), t.numel()
         if kind == "fp8":
             fp8 += n
-            nbytes += n + 4 * (t.shape[0] // FP8_BLOCK) * (t.shape[1] // FP8_BLOCK)
+            nbytes += n + scale_bytes * (t.shape[0] // FP8_BLOCK) * (t.shape[1] // FP8_BLOCK)
         elif kind == "fp4":
             fp4 += n
-            nbytes += n // 2 + 4 * (n // FP4_GROUP)
+            nbytes += n // 2 + scale_bytes * (n // FP4_GROUP)
         else:
             kept += n
             width = KEEP_DTYPE.itemsize if t.is_floating_point() else t.element_size()
