@@ -12,17 +12,17 @@ import torch
 
 import dsv4_tree as dt
 from cases import check_against_oracle, engine_for, prompt, random_tree
-from dsv4_tree.reference import per_path_logits, relative_error
 from dsv4_tree.cli import main
 from dsv4_tree.drafters import MtpDrafter, TreeShape
-from dsv4_tree.model.checkpoint_files import INDEX_FILE
+from dsv4_tree.model.checkpoint_files import INDEX_FILE, read_tensors
 from dsv4_tree.model.hf_bindings import DeepseekV4ForCausalLM
 from dsv4_tree.model.mtp import load_mtp, to_checkpoint_names
-from dsv4_tree.model.quant import dequantize_weight
+from dsv4_tree.model.quant import dequantize_weight, quantize_fp8_blocks
 from dsv4_tree.model.release import write_release
 from dsv4_tree.model.release_names import release_state_dict
 from dsv4_tree.model.release_size import release_size
 from dsv4_tree.model.tiny import RELEASE_TINY_OVERRIDES, random_model, random_mtp, tiny_config
+from dsv4_tree.reference import per_path_logits, relative_error
 from safetensors import safe_open
 from test_generate import hf_greedy
 
@@ -139,6 +139,25 @@ def test_dequantised_weights_within_stated_bounds():
     for name in sorted(set(orig) - set(quantised)):  # kept in bf16: rounding only
         a, b = orig[name].float(), loaded[name].float()
         assert torch.allclose(a, b, rtol=2**-8, atol=0), name
+
+
+def test_reader_accepts_ue8m0_scales_named_scale_and_refuses_a_missing_scale(tmp_path):
+    """V4-Flash's own files name the block scales `x.scale` and store them as UE8M0 (powers of two)."""
+    from safetensors.torch import save_file
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(3))
+    q, scale = quantize_fp8_blocks(w)
+    pow2 = torch.exp2(torch.ceil(torch.log2(scale)))  # UE8M0 holds powers of two only
+    q = (w.reshape(2, 128, 3, 128) / pow2[:, None, :, None]).reshape(256, 384).to(torch.float8_e4m3fn)
+    save_file({"mtp.0.e_proj.weight": q, "mtp.0.e_proj.scale": pow2.to(torch.float8_e8m0fnu),
+               "mtp.0.h_proj.weight": q.clone()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(dt.CheckpointError, match=r"mtp\.0\.h_proj\.weight is stored as torch\.float8_e4m3fn without a scale"):
+        read_tensors(tmp_path, "mtp.0.")
+    save_file({"mtp.0.e_proj.weight": q, "mtp.0.e_proj.scale": pow2.to(torch.float8_e8m0fnu)},
+              str(tmp_path / "model.safetensors"))
+    got = read_tensors(tmp_path, "mtp.0.")
+    assert list(got) == ["mtp.0.e_proj.weight"]
+    within_bounds("e_proj", w, got["mtp.0.e_proj.weight"], q, pow2)
 
 
 def test_tree_verify_equals_per_path_runs():
