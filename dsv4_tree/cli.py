@@ -22,7 +22,8 @@ REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory (HF layout: config.json + *.safetensors); default: the shipped "
+                   help="checkpoint directory: HF layout (config.json + *.safetensors) or DeepSeek's release "
+                        "format (FP8/FP4, sharded), loaded on CPU in fp32; default: the shipped "
                         "trained byte-level checkpoint (dsv4_tree/checkpoints/tiny-stdlib-bytes)")
     p.add_argument("--spec", default=None, help="SpecConfig TOML preset (configs/*.toml); flags below override it")
     p.add_argument("--topk", type=int, default=None, help="eagle_topk: children per draft node; >1 drafts trees")

@@ -1,13 +1,13 @@
 """The model adapter: a loaded DeepseekV4ForCausalLM whose weights we use in place."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError
 from .hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
+from .hf_load import load_hf_directory
 
 
 class Model:
@@ -64,8 +64,9 @@ class Model:
 
 
 def load_model(source, device="cpu", dtype=torch.float32) -> Model:
-    """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors) or wrap a built
-    DeepseekV4ForCausalLM. Never touches the network."""
+    """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
+    layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
+    Never touches the network."""
     if isinstance(source, Model):
         return source
     if isinstance(source, DeepseekV4ForCausalLM):
@@ -73,19 +74,6 @@ def load_model(source, device="cpu", dtype=torch.float32) -> Model:
     if not isinstance(source, (str, Path)):
         raise CheckpointError(f"source must be a directory or a DeepseekV4ForCausalLM, got {type(source).__name__}")
     path = Path(source)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json")
-    if not list(path.glob("*.safetensors")):
-        raise CheckpointError(f"{path} has no *.safetensors weights")
-    model_type = json.loads(cfg_file.read_text()).get("model_type")
-    if model_type != "deepseek_v4":
-        raise CheckpointError(f"{cfg_file}: model_type is {model_type!r}, expected 'deepseek_v4'")
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"dtype must be a torch.dtype, got {dtype!r}")
-    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    model = Model(hf.to(device))
+    model = Model(load_hf_directory(path, device, dtype))
     model.source = path
     return model

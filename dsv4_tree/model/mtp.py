@@ -8,7 +8,8 @@ residual streams (before hc_head) at position p-1 -- zeros at p = 0 -- or, for d
 rows, the MTP's own output streams of the parent row.
 
 Transformers drops `mtp.*` tensors on load; we read them from the checkpoint's safetensors
-in DeepSeek's naming (`mtp.0.<layer tensors as in layers.N>`, `mtp.0.enorm.weight`, ...)."""
+in DeepSeek's naming (`mtp.0.<layer tensors as in layers.N>`, `mtp.0.enorm.weight`, ...),
+dequantising FP8 / FP4 ones on the CPU (release format, see checkpoint_files.py)."""
 from __future__ import annotations
 
 import copy
@@ -17,11 +18,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError
+from .checkpoint_files import read_tensors
 from .hf_bindings import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
@@ -125,13 +126,8 @@ def to_checkpoint_names(block: MtpBlock) -> dict:
 
 
 def read_mtp_tensors(directory: Path) -> dict:
-    tensors = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if k.startswith(MTP_PREFIX):
-                    tensors[k] = fh.get_tensor(k)
-    return tensors
+    """The mtp.* tensors of every shard (the index's, when there is one), FP8 / FP4 dequantised."""
+    return read_tensors(Path(directory), MTP_PREFIX)
 
 
 def load_mtp(model) -> MtpBlock:

@@ -17,6 +17,7 @@ import torch
 from .hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
 
 TINY_NAME = "tiny-random-v2"
+TINY_RELEASE_NAME = "tiny-release-v1"
 TINY_SEED = 1234
 
 TINY_CONFIG = dict(
@@ -51,6 +52,23 @@ TINY_CONFIG = dict(
     num_nextn_predict_layers=1,
     bos_token_id=0,
     eos_token_id=1,
+)
+
+
+# The release-format tiny model: sides that are multiples of 128 so that nearly every linear
+# weight spans several 128x128 FP8 scale blocks (q_b 512x256, o_a / o_b / wq_a 256x256, ...);
+# a short window and HCA ratio so every attention branch is reached by short test prompts.
+RELEASE_TINY_OVERRIDES = dict(
+    hidden_size=256,
+    q_lora_rank=256,
+    head_dim=128,
+    o_lora_rank=128,
+    moe_intermediate_size=128,
+    index_n_heads=4,
+    index_head_dim=64,
+    sliding_window=16,
+    compress_rates={"heavily_compressed_attention": 16},
+    max_position_embeddings=512,
 )
 
 
@@ -148,12 +166,26 @@ def default_home() -> Path:
     return Path(os.environ.get("DSV4_TREE_HOME", Path.home() / ".cache" / "dsv4_tree"))
 
 
-def tiny_checkpoint(directory=None) -> Path:
-    """Directory of the embedded tiny random checkpoint, created (seeded) if missing."""
-    directory = Path(directory) if directory is not None else default_home() / TINY_NAME
-    if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
-        write_random_checkpoint(directory)
-    return directory
+def tiny_checkpoint(directory=None, format: str = "hf") -> Path:
+    """Directory of the embedded tiny random checkpoint, created (seeded) if missing.
+    format="hf": Hugging Face names, fp32, one file. format="release": DeepSeek's release format
+    (DeepSeek names, FP8 block-scaled linears, FP4 experts, MTP block, sharded; see release.py)."""
+    if format == "hf":
+        directory = Path(directory) if directory is not None else default_home() / TINY_NAME
+        if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
+            write_random_checkpoint(directory)
+        return directory
+    if format == "release":
+        from .release import release_complete, write_release
+
+        directory = Path(directory) if directory is not None else default_home() / TINY_RELEASE_NAME
+        if not release_complete(directory):
+            config = tiny_config(**RELEASE_TINY_OVERRIDES)
+            write_release(directory, random_model(config), random_mtp(config))
+        return directory
+    from ..errors import InputError
+
+    raise InputError(f"format must be 'hf' or 'release', got {format!r}")
 
 
 TRAINED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-stdlib-bytes"

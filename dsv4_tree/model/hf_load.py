@@ -1,0 +1,61 @@
+"""Load a checkpoint directory into a DeepseekV4ForCausalLM through transformers.
+
+Dense Hugging Face layout and the release format (DeepSeek names, FP8 block-scaled linears, FP4
+experts, shards) both go through `from_pretrained`; transformers' conversion mapping renames
+the release keys. A quantised checkpoint on a CPU device is dequantised while loading
+(FineGrainedFP8Config(dequantize=True), also when a GPU exists); on a CUDA device transformers'
+FP8 modules are kept and the weights load straight onto the device. Tensors the checkpoint stores
+in higher precision (bf16 norms, embeddings, ...) are then cast to the requested dtype; FP8 / FP4
+weights and their scales are left as they are."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, InputError
+from .checkpoint_files import quantization, read_config, shard_files
+from .hf_bindings import DeepseekV4ForCausalLM
+
+QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
+
+
+def cast_dense(hf, dtype: torch.dtype) -> None:
+    """Cast every floating parameter / buffer that is not quantised storage or a scale grid."""
+    for module in hf.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point() or t.dtype in QUANTIZED_STORAGE:
+                    continue
+                if name.endswith(("_scale_inv", "activation_scale")) or t.dtype == dtype:
+                    continue
+                t.data = t.data.to(dtype)
+
+
+def load_hf_directory(path: Path, device, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+    """Checks the directory (naming the file or key at fault), then loads it with transformers."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    shard_files(path)  # every shard the index names exists
+    model_type = read_config(path).get("model_type")
+    if model_type != "deepseek_v4":
+        raise CheckpointError(f"{cfg_file}: model_type is {model_type!r}, expected 'deepseek_v4'")
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype must be a torch.dtype, got {dtype!r}")
+    quant = quantization(path)
+    kwargs = {}
+    if quant is not None:
+        from transformers import FineGrainedFP8Config
+
+        on_gpu = torch.device(device).type == "cuda"
+        kwargs["quantization_config"] = FineGrainedFP8Config(
+            dequantize=not on_gpu, modules_to_not_convert=quant.get("modules_to_not_convert"))
+        if on_gpu:
+            kwargs["device_map"] = str(torch.device(device))
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **kwargs)
+    if quant is not None:
+        cast_dense(hf, dtype)
+    return hf.to(device)
