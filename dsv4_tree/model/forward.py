@@ -46,9 +46,12 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
 
 @contextlib.contextmanager
 def experts_implementation(model, name: str):
-    """Run the routed experts with transformers' `name` implementation inside the block (the
-    default "batched_mm" gathers each row's expert weights: no host synchronisation, no
-    data-dependent shapes, per-row results independent of the batch), restoring it after."""
+    """Run the routed experts with transformers' `name` implementation inside the block,
+    restoring it after. The default "grouped_mm" sorts rows by expert and runs one grouped GEMM
+    (offsets stay on the device): no host synchronisation and no data-dependent shapes, unlike
+    HF's default eager loop over hit experts (`nonzero()`); "batched_mm" gathers each row's
+    expert weights (also sync-free; per-row results independent of the batch, but its cost
+    grows with rows x expert size)."""
     cfg = model.hf.config
     before = cfg._experts_implementation
     if name == "eager" or before == name:
@@ -63,7 +66,7 @@ def experts_implementation(model, name: str):
 
 @torch.no_grad()
 def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None,
-             experts: str = "batched_mm") -> RowsRun:
+             experts: str = "grouped_mm") -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
     logit_rows: packed rows to keep logits for (device tensor); experts: see experts_implementation."""
     hf = model.hf.model
