@@ -64,8 +64,9 @@ class VerifyOutput:
 
     @property
     def topk_ties(self) -> int:
-        """Rows whose indexer top-k boundary was a (near-)tie (read from the device on access)."""
-        return int(self.run.topk_ties)
+        """(Row, layer) pairs whose indexer top-k boundary was a (near-)tie (read from the device
+        on access)."""
+        return int(self.run.topk_ties[: self.plan.offsets[-1] + self.plan.num_nodes[-1]].sum())
 
 
 class Engine:
@@ -159,33 +160,44 @@ class Engine:
 
         hidden_rows: how many of the last rows' target streams to keep in Request.new_hidden
         (default sliding_window + 1, all a sliding-window draft layer can use)."""
+        return self.prefill_batch([prompt_ids], hidden_rows)[0]
+
+    def prefill_batch(self, prompts, hidden_rows: int | None = None) -> list:
+        """prefill for many prompts at once: each forward runs the next prefill_chunk tokens of
+        every prompt that has some left. All prompts are validated first; on any error no
+        request is left behind."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError(f"prompts must be a non-empty list of prompts, got {type(prompts).__name__}")
         keep = self.model.window + 1 if hidden_rows is None else hidden_rows
-        ids = self._as_prompt(prompt_ids)
-        rt = self.runtime
-        req = self.adopt(ids[:0].clone(), int(ids[-1]), rt.admit())
+        ids = [self._as_prompt(p) for p in prompts]
+        rt, dev, chunk = self.runtime, self.model.device, self.spec.prefill_chunk
+        reqs = []
         try:
-            body = ids[:-1]
-            chunk = self.spec.prefill_chunk
-            hidden, ties = [], []
-            for start in range(0, body.numel(), chunk):
-                part = body[start : start + chunk]
-                tree = DraftTree.chain(part)
-                plan = rt.plan([req.row], [req.seq_len], [tree])
-                last = torch.tensor([part.numel() - 1], device=self.model.device)
-                run = run_rows(self.model, plan.to(self.model.device), rt.pools, self.ops, last)
-                rt.commit([req.row], [req.seq_len], [torch.arange(part.numel())])
-                req.seq_len += part.numel()
-                req.tokens = torch.cat([req.tokens, part])
-                hidden.append(run.hidden)
-                ties.append(run.topk_ties)
-                if sum(h.shape[0] for h in hidden) > keep:  # bounded: at most keep + one chunk
-                    hidden = [torch.cat(hidden)[-keep:]]
+            for x in ids:
+                reqs.append(self.adopt(x[:0].clone(), int(x[-1]), rt.admit()))
+            hidden, ties = [[] for _ in reqs], [[] for _ in reqs]
+            for start in range(0, max(x.numel() for x in ids) - 1, chunk):
+                live = [i for i, x in enumerate(ids) if x.numel() - 1 > start]
+                parts = [ids[i][start : min(start + chunk, ids[i].numel() - 1)] for i in live]
+                rows, lens = [reqs[i].row for i in live], [reqs[i].seq_len for i in live]
+                plan = rt.plan(rows, lens, [DraftTree.chain(p) for p in parts])
+                last = torch.tensor([o + n - 1 for o, n in zip(plan.offsets, plan.num_nodes)], device=dev)
+                run = run_rows(self.model, plan.to(dev), rt.pools, self.ops, last)
+                rt.commit(rows, lens, [torch.arange(p.numel()) for p in parts])
+                for i, part, o in zip(live, parts, plan.offsets):
+                    req, n = reqs[i], part.numel()
+                    req.seq_len += n
+                    req.tokens = torch.cat([req.tokens, part])
+                    hidden[i] = [torch.cat(hidden[i] + [run.hidden[o : o + n]])[-keep:]]
+                    ties[i].append(run.topk_ties[o : o + n].sum())
         except BaseException:
-            self.release(req)
+            for req in reqs:
+                self.release(req)
             raise
-        req.new_hidden = torch.cat(hidden)[-keep:] if hidden else None
-        req.prefill_topk_ties = int(sum(ties)) if ties else 0
-        return req
+        for req, h, t in zip(reqs, hidden, ties):
+            req.new_hidden = h[0] if h else None
+            req.prefill_topk_ties = int(sum(t)) if t else 0
+        return reqs
 
     def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
         """A Request owning page-table row `row` (slots return to the pools when it is released

@@ -33,9 +33,9 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=0.
     drafter = resolve_drafter(engine, drafter)
     reqs = []
     try:
-        for p, n in zip(prompts, budgets):
-            reqs.append(engine.prefill(p))
-            check_room(engine, reqs[-1], n)
+        reqs = engine.prefill_batch(list(prompts))  # one forward per prefill chunk for all prompts
+        for req, n in zip(reqs, budgets):
+            check_room(engine, req, n)
         with token_bar(sum(budgets), progress, f"generate_batch[{len(reqs)}]") as bar:
             return _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos_token_id, generator, bar)
     finally:

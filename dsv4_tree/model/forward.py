@@ -17,7 +17,7 @@ class RowsRun:
     """Output of one forward over verify rows (all tensors; nothing read on the host)."""
 
     logits: torch.Tensor  # [rows kept, vocab] (all T rows, or the requested subset)
-    topk_ties: torch.Tensor  # 0-d: indexer top-k boundary ties seen (the tie rule decided them)
+    topk_ties: torch.Tensor  # [T] per row: layers whose indexer top-k boundary was a (near-)tie
     hidden: torch.Tensor  # [T, hc_mult, hidden] residual streams before hc_head (MTP input)
 
 
@@ -74,7 +74,7 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
-    ties = torch.zeros((), dtype=torch.int64, device=emb.device)
+    ties = torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
     with experts_implementation(model, experts):
         for layer, layer_pools in zip(hf.layers, pools):
             h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)

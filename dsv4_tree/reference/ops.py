@@ -86,20 +86,20 @@ def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
     """The tie rule over a per-row candidate table (block order; -inf = no candidate).
 
     scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
-    lengths [T], ties: a 0-d tensor counting rows whose k-th and (k+1)-th scores are equal or
-    within TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+    lengths [T], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal or within
+    TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
     t, c = scores.shape
     k = min(topk, c)
     if k == 0:
-        return cand[:, :0], cand.new_zeros(t), cand.new_zeros(())
+        return cand[:, :0], cand.new_zeros(t), cand.new_zeros(t)
     order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
     valid = torch.isfinite(order_scores[:, :k])
     selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
-    ties = cand.new_zeros(())
+    ties = cand.new_zeros(t)
     if k < c:
         edge, nxt = order_scores[:, k - 1], order_scores[:, k]
         gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).sum()
+        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
     return selected, valid.sum(1), ties
 
 
