@@ -1,0 +1,37 @@
+"""scripts/gpu_check --dry-run: the whole GPU check, end to end on CPU at tiny shapes.
+
+Covers every step the GPU run has, through the same wrapper and the same report writer: the
+gpu-marked tests (collected, skipped without CUDA), bench_verify (one 4K context instead of
+64K/256K/1M, fp32), bench_batch (bs 1 and 2, N = 4, both models), and the CUDA-graph step
+(run where SpecConfig has cuda_graph_max_bs, otherwise reported as not available). What it
+cannot cover: anything that needs CUDA (bf16 kernels, graph capture, GPU timings)."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_writes_the_report(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_TREE_GPU"}
+    proc = subprocess.run(["bash", "scripts/gpu_check", "--out", str(tmp_path), "--dry-run", "--budget-s", "600"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "report.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    bad = {n: (s["status"], s["summary"], s["tail"]) for n, s in steps.items() if s["status"] not in ("ok", "not available")}
+    assert proc.returncode == 0 and not bad, f"rc={proc.returncode} {bad}\n{proc.stderr[-2000:]}"
+    assert report["mode"] == "dry-run"
+    assert list(steps) == ["gpu_tests", "bench_verify_4K", "bench_batch", "cuda_graph_eager", "cuda_graph_replay"]
+    assert "skipped" in steps["gpu_tests"]["summary"], steps["gpu_tests"]  # no CUDA here: collected, skipped
+    verify = steps["bench_verify_4K"]["result"]
+    assert [(r["context"], r["N"]) for r in verify["records"]] == [(4096, 4)]
+    batch = steps["bench_batch"]["result"]
+    assert {(r["model"], r["bs"]) for r in batch["records"]} == {("trained", 1), ("trained", 2), ("flash", 1)}
+    assert all(r["ops"] > 0 and r["verify_ms"] > 0 and r["plan_ms"] > 0 for r in batch["records"])
+    assert batch["plan_timer"] in ("engine.plan", "build_plan")
+    graph = steps["cuda_graph_replay"]
+    assert (graph["status"] == "not available") == (not report["cuda_graph"]), graph
+    md = (tmp_path / "report.md").read_text()
+    assert "| bench_batch | ok |" in md and "## bench_verify_4K" in md and "| trained | 4 | 2 |" in md
+    assert (tmp_path / "bench_batch.png").exists() and (tmp_path / "logs" / "bench_batch.log").exists()
