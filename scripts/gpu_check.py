@@ -29,7 +29,7 @@ class Step:
     cmd: list
     limit_s: float
     env: dict = dataclasses.field(default_factory=dict)
-    status: str = "skipped"  # ok | failed | timeout | skipped | not available
+    status: str = "pending"  # then: ok | failed | timeout | skipped | not available
     seconds: float = 0.0
     summary: str = ""
     result: dict | None = None  # a benchmark's last-line JSON
@@ -44,7 +44,7 @@ def run(step: Step, budget_end: float, log_dir: Path) -> None:
     """Run one step; fill status, seconds, summary, result (the JSON last line of stdout), tail."""
     limit = min(step.limit_s, budget_end - time.monotonic())
     if limit < 5:
-        step.summary = "time budget spent before this step"
+        step.status, step.summary = "skipped", "time budget spent before this step"
         return
     t = time.monotonic()
     try:
@@ -90,70 +90,77 @@ def verify_supports(flag: str, py: str) -> bool:
 
 
 def has_graph_field(py: str) -> bool:
-    code = "import dataclasses, dsv4_tree as dt; print('cuda_graph_max_bs' in {f.name for f in dataclasses.fields(dt.SpecConfig)})"
+    code = ("import dataclasses, dsv4_tree as dt; "
+            "print('cuda_graph_max_bs' in {f.name for f in dataclasses.fields(dt.SpecConfig)})")
     return subprocess.run([py, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout.strip() == "True"
 
 
 def plan_steps(args, out: Path) -> list:
     py, dry = args.python, args.dry_run
     dev = ["--device", "cpu", "--dtype", "float32"] if dry else ["--device", "cuda", "--dtype", "bfloat16"]
-    steps = [Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
-                  args.limit_tests, {} if dry else {"DSV4_TREE_GPU": "1"})]
+    tests = Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
+                 args.limit_tests, {} if dry else {"DSV4_TREE_GPU": "1"})
     fp8 = ["--kv-cache-dtype", "fp8_e4m3"] if verify_supports("--kv-cache-dtype", py) else []
     contexts = [("4K", 4096)] if dry else [("64K", 65536), ("256K", 262144), ("1M", 1 << 20)]
     size = ["--quick", "--nodes", "4", "--reps", "1"] if dry else ["--nodes", "8,16", "--reps", "3"]
-    verify = [Step(f"bench_verify_{label}", [py, "benchmarks/bench_verify.py", *dev, *fp8, *size, "--contexts", str(ctx),
-                                             "--plot", str(out / f"bench_verify_{label}.png")], args.limit_verify)
+    verify = [Step(f"bench_verify_{label}",
+                   [py, "benchmarks/bench_verify.py", *dev, *fp8, *size, "--contexts", str(ctx),
+                    "--plot", str(out / f"bench_verify_{label}.png")], args.limit_verify)
               for label, ctx in contexts]
-    batch_size = ["--bs", "1,2", "--nodes", "4", "--flash-bs", "1", "--reps", "1", "--context", "1024"] if dry else []
-    batch = Step("bench_batch", [py, "benchmarks/bench_batch.py", *dev, *batch_size, "--plot", str(out / "bench_batch.png")],
+    tiny = ["--bs", "1,2", "--nodes", "4", "--flash-bs", "1", "--reps", "1", "--context", "1024"] if dry else []
+    batch = Step("bench_batch", [py, "benchmarks/bench_batch.py", *dev, *tiny, "--plot", str(out / "bench_batch.png")],
                  args.limit_batch)
-    graph_size = ["--models", "trained", "--nodes", "4" if dry else "8", "--bs", "1,2" if dry else "1,4,16,64",
-                  "--reps", "1" if dry else "5", "--plot", ""]
-    graph = [Step("cuda_graph_eager", [py, "benchmarks/bench_batch.py", *dev, *graph_size], args.limit_graph),
-             Step("cuda_graph_replay", [py, "benchmarks/bench_batch.py", *dev, *graph_size,
-                                        "--cuda-graph-max-bs", "2" if dry else "64"], args.limit_graph)]
+    graph_args = [py, "benchmarks/bench_batch.py", *dev, "--models", "trained", "--nodes", "4" if dry else "8",
+                  "--bs", "1,2" if dry else "1,4,16,64", "--reps", "1" if dry else "5", "--plot", ""]
+    graph = [Step("cuda_graph_eager", graph_args, args.limit_graph),
+             Step("cuda_graph_replay", [*graph_args, "--cuda-graph-max-bs", "2" if dry else "64"], args.limit_graph)]
     if not has_graph_field(py):
         for g in graph:
             g.status, g.summary = "not available", "SpecConfig has no cuda_graph_max_bs field in this version"
-    return [steps[0], verify[0], batch, *graph, *verify[1:]]
+    return [tests, verify[0], batch, *graph, *verify[1:]]
 
 
 def graph_ratios(steps) -> list:
-    """verify ms per request, replay / eager, per bs (both runs done, both ok)."""
+    """verify ms per request, replay / eager, per bs (where both runs finished)."""
     eager, replay = (next(s for s in steps if s.name == n) for n in ("cuda_graph_eager", "cuda_graph_replay"))
     if eager.result is None or replay.result is None:
         return []
     e = {r["bs"]: r["verify_ms_per_request"] for r in eager.result["records"]}
     return [{"bs": r["bs"], "eager_ms_per_request": e[r["bs"]], "replay_ms_per_request": r["verify_ms_per_request"],
-             "replay_over_eager": r["verify_ms_per_request"] / e[r["bs"]]} for r in replay.result["records"] if r["bs"] in e]
+             "replay_over_eager": r["verify_ms_per_request"] / e[r["bs"]]}
+            for r in replay.result["records"] if r["bs"] in e]
+
+
+def table(header: list, rows: list) -> list:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def markdown(report: dict, steps) -> str:
-    md = [f"# GPU check ({report['mode']})", "", f"machine: {report['machine']}; python {report['python']}; "
-          f"started {report['started']}; {report['seconds']:.0f}s in all", "",
-          "| step | status | seconds | summary |", "|---|---|---|---|"]
-    md += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.summary} |" for s in steps]
+    md = [f"# GPU check ({report['mode']})", "", f"machine: {report['machine']}; torch {report['torch']}; "
+          f"python {report['python']}; started {report['started']}; {report['seconds']:.0f}s in all", ""]
+    md += table(["step", "status", "seconds", "summary"], [(s.name, s.status, f"{s.seconds:.0f}", s.summary) for s in steps])
     for s in steps:
         r = s.result
         if r and s.name.startswith("bench_verify"):
-            md += ["", f"## {s.name}", "", "| context | N | shape | tree ms | chain ms | per-path ms | tree/chain | per-path/tree |",
-                   "|---|---|---|---|---|---|---|---|"]
-            md += [f"| {x['context']} | {x['N']} | {x['shape']} | {1e3 * x['tree_s']:.1f} | {1e3 * x['chain_s']:.1f} | "
-                   f"{1e3 * x['per_path_s']:.1f} | {x['tree_over_chain']:.3f} | {x['per_path_over_tree']:.2f} |" for x in r["records"]]
+            md += ["", f"## {s.name}", ""] + table(
+                ["context", "N", "shape", "tree ms", "chain ms", "per-path ms", "tree/chain", "per-path/tree"],
+                [(x["context"], x["N"], x["shape"], f"{1e3 * x['tree_s']:.1f}", f"{1e3 * x['chain_s']:.1f}",
+                  f"{1e3 * x['per_path_s']:.1f}", f"{x['tree_over_chain']:.3f}", f"{x['per_path_over_tree']:.2f}")
+                 for x in r["records"]])
         if r and s.name == "bench_batch":
-            md += ["", "## bench_batch", "", f"plan time measured with {r['plan_timer']}", "",
-                   "| model | N | bs | ops | plan ms | verify ms | ms/request |", "|---|---|---|---|---|---|---|"]
-            md += [f"| {x['model']} | {x['N']} | {x['bs']} | {x['ops']} | {x['plan_ms']:.2f} | {x['verify_ms']:.1f} | "
-                   f"{x['verify_ms_per_request']:.2f} |" for x in r["records"]]
+            md += ["", "## bench_batch", "", f"plan time measured with {r['plan_timer']}", ""] + table(
+                ["model", "N", "bs", "ops", "plan ms", "verify ms", "ms/request"],
+                [(x["model"], x["N"], x["bs"], x["ops"], f"{x['plan_ms']:.2f}", f"{x['verify_ms']:.1f}",
+                  f"{x['verify_ms_per_request']:.2f}") for x in r["records"]])
             md += ["", "ratios against bs = 1: " + "; ".join(
                 f"{x['model']} N={x['N']} bs={x['bs']}: ops x{x['ops_ratio']:.2f}, plan x{x['plan_ratio']:.2f}, "
                 f"ms/request x{x['ms_per_request_ratio']:.3f}" for x in r["ratios"])]
     if report["cuda_graph"]:
-        md += ["", "## CUDA-graph replay vs eager (trained checkpoint)", "", "| bs | eager ms/request | replay ms/request | replay/eager |",
-               "|---|---|---|---|"]
-        md += [f"| {g['bs']} | {g['eager_ms_per_request']:.3f} | {g['replay_ms_per_request']:.3f} | {g['replay_over_eager']:.3f} |"
-               for g in report["cuda_graph"]]
+        md += ["", "## CUDA-graph replay vs eager (trained checkpoint)", ""] + table(
+            ["bs", "eager ms/request", "replay ms/request", "replay/eager"],
+            [(g["bs"], f"{g['eager_ms_per_request']:.3f}", f"{g['replay_ms_per_request']:.3f}",
+              f"{g['replay_over_eager']:.3f}") for g in report["cuda_graph"]])
     for s in steps:
         if s.status in ("failed", "timeout"):
             md += ["", f"## {s.name}: {s.status}", "", "```", s.tail, "```"]
@@ -181,13 +188,14 @@ def main(argv=None) -> int:
     gpu = gpu.strip()
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), time.monotonic()
     steps = plan_steps(args, out)
-    if not args.dry_run and not gpu:
-        for s in steps:
-            s.status, s.summary = "skipped", f"no CUDA device visible to {args.python} (torch {torch_ver}, CUDA {cuda_ver})"
     for s in steps:
-        if args.only and s.name not in args.only.split(",") and not s.summary:
-            s.summary = "not selected (--only)"
-        if s.status == "skipped" and not s.summary:
+        if s.status != "pending":
+            continue
+        if args.only and s.name not in args.only.split(","):
+            s.status, s.summary = "skipped", "not selected (--only)"
+        elif not args.dry_run and not gpu:
+            s.status, s.summary = "skipped", f"no CUDA device visible to {args.python} (torch {torch_ver}, CUDA {cuda_ver})"
+        else:
             run(s, t0 + args.budget_s, out / "logs")
             print(f"[gpu_check] {s.name}: {s.status} in {s.seconds:.0f}s {s.summary}", file=sys.stderr, flush=True)
     machine = gpu or f"{platform.machine()} CPU, {os.cpu_count()} cores"
