@@ -62,7 +62,7 @@ def _sync_reason(func, args, kwargs) -> str | None:
     name = str(func.overloadpacket)
     if name in _HOST_READING:
         return _HOST_READING[name]
-    if name == "aten.index" and any(
+    if name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_") and any(
         isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
     ):
         return "boolean-mask indexing: output shape depends on tensor values"
@@ -84,7 +84,7 @@ class forbid_host_sync(TorchDispatchMode):
     """Raises dsv4_tree.errors.StateError, naming the op, when an op inside the block would make
     the host wait for the device: a scalar read (`aten._local_scalar_dense`, behind `.item()`,
     `int(t)`, `bool(t)`), `aten.equal`, an op whose output shape depends on tensor values
-    (`aten.nonzero`, `masked_select`, boolean-mask indexing, `unique`, `repeat_interleave`
+    (`aten.nonzero`, `masked_select`, boolean-mask indexing or index_put, `unique`, `repeat_interleave`
     without `output_size`), or a copy from a non-CPU device to the host.
 
     The rule is applied to every tensor whatever its device, so a CPU run already fails where a

@@ -58,6 +58,7 @@ def test_op_counter_grows_with_a_python_loop_but_not_with_a_batched_op():
         ("equal", lambda t: torch.equal(t, t)),
         ("masked_select", lambda t: t.masked_select(t > 0)),
         ("index", lambda t: t[t > 0]),  # boolean mask: data-dependent shape
+        ("index_put", lambda t: t.__setitem__(t > 0, 0.0)),  # t[mask] = 0
         ("unique", lambda t: t.unique()),
         ("repeat_interleave", lambda t: torch.repeat_interleave(torch.tensor([1, 2]))),
     ],
