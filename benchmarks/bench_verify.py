@@ -20,8 +20,7 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.serving.synth import committed_bytes, synthetic_request
 from dsv4_tree.model.tiny import random_model
-from dsv4_tree.tree import TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees
-from dsv4_tree.tree.simulate import simulated_eagle_draft
+from dsv4_tree.tree.simulate import eagle_tree
 
 FLASH_ATTENTION = dict(
     vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
@@ -40,20 +39,6 @@ def bench_model(layers: int, device: str, dtype):
     cfg = dt.tiny_config(**FLASH_ATTENTION, num_hidden_layers=layers, layer_types=types,
                          mlp_layer_types=["moe"] * layers)
     return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
-
-
-def eagle_tree(root: int, n: int, topk: int = 4, seed: int = 0):
-    """An EAGLE-shaped tree of n nodes: random draft scores through the SGLang builders."""
-    if n == 1:
-        return dt.DraftTree.chain([root])
-    steps = 2
-    while topk + (steps - 1) * topk * topk < n - 1:
-        steps += 1
-    scores, tokens, parents = simulated_eagle_draft(1, topk, steps, seed, sharpness=2.0)
-    org = organize_draft_results(scores, tokens, parents, n)
-    built = build_tree(torch.tensor([root]), org.parent_list, org.top_scores_index, org.draft_tokens,
-                       torch.tensor([0]), topk, steps, n, TreeMaskMode.QLEN_ONLY)
-    return tensors_to_trees(built.draft_tokens, built.retrieve_next_token, built.retrieve_next_sibling)[0]
 
 
 class PeakMemory:

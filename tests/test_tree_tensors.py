@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_tree as dt
-from dsv4_tree.tree.simulate import simulated_eagle_draft
+from dsv4_tree.tree.simulate import eagle_tree, simulated_eagle_draft
 from dsv4_tree.tree import (
     TreeMaskMode, build_tree, organize_draft_results, tensors_to_trees, trees_to_tensors, unpack_bits,
     verify_tree_greedy,
@@ -176,3 +176,11 @@ def test_malformed_links_raise():
         parents_from_links(torch.tensor([[1, -1, -1]]), torch.tensor([[-1, 1, -1]]))
     with pytest.raises(dt.TreeError, match="reachable"):
         parents_from_links(torch.tensor([[1, -1, -1]]), torch.tensor([[-1, -1, -1]]))
+
+
+@pytest.mark.parametrize("n,topk", [(1, 4), (2, 4), (8, 4), (16, 4), (64, 4), (10, 2)])
+def test_eagle_tree_has_n_nodes_and_eagle_branching(n, topk):
+    tree = eagle_tree(7, n, topk=topk, seed=n, vocab=50)
+    kids = torch.bincount(tree.parents[1:], minlength=n) if n > 1 else torch.zeros(1, dtype=torch.int64)
+    assert tree.num_nodes == n and int(tree.tokens[0]) == 7, f"{n=} {topk=}"
+    assert int(tree.tokens.max()) < 50 and int(kids.max()) <= topk, f"{n=} {topk=} children={kids.tolist()}"

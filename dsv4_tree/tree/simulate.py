@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .build import build_tree, organize_draft_results
+from .convert import tensors_to_trees
+from .draft_tree import DraftTree
+from .masks import TreeMaskMode
+
 
 def simulated_eagle_draft(bs: int, topk: int, num_steps: int, seed: int = 0, vocab: int = 1000, sharpness: float = 1.0):
     """(score_list, token_list, parents_list) as an EAGLE draft worker hands them to
@@ -23,3 +28,18 @@ def simulated_eagle_draft(bs: int, topk: int, num_steps: int, seed: int = 0, voc
         frontier = s.reshape(bs, -1).gather(1, top)
         parents.append(top + k * k * (i - 1) + k)
     return scores, tokens, parents
+
+
+def eagle_tree(root: int, n: int, topk: int = 4, seed: int = 0, vocab: int = 1000) -> DraftTree:
+    """An EAGLE-shaped tree of n nodes: simulated draft scores through the SGLang builders, with
+    the fewest draft steps whose candidate pool holds n - 1 nodes. Draft tokens lie in [0, vocab)."""
+    if n == 1:
+        return DraftTree.chain([root])
+    steps = 2
+    while topk + (steps - 1) * topk * topk < n - 1:
+        steps += 1
+    scores, tokens, parents = simulated_eagle_draft(1, topk, steps, seed, vocab=vocab, sharpness=2.0)
+    org = organize_draft_results(scores, tokens, parents, n)
+    built = build_tree(torch.tensor([root]), org.parent_list, org.top_scores_index, org.draft_tokens,
+                       torch.tensor([0]), topk, steps, n, TreeMaskMode.QLEN_ONLY)
+    return tensors_to_trees(built.draft_tokens, built.retrieve_next_token, built.retrieve_next_sibling)[0]
