@@ -4,13 +4,11 @@ Flash-shaped model, every request on its own synthetic committed cache (the trai
 at 96..159 positions, the Flash model's at --context).
 
 Ops are counted with dsv4_tree.diagnostics.OpCounter over one whole engine.verify call. Plan
-time is engine.plan(requests, trees) when the engine has it, else
-dsv4_tree.attention.plan.build_plan (the output says which). Human table first, a PNG when
-matplotlib is installed, and as the last line one JSON object."""
+time is engine.plan(requests, trees) (validation, page mapping, the batch's tables). Human
+table first, a PNG when matplotlib is installed, and as the last line one JSON object."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
@@ -21,10 +19,8 @@ from pathlib import Path
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.attention.plan import build_plan
-from dsv4_tree.cache.synth import synthetic_cache
 from dsv4_tree.diagnostics import OpCounter
-from dsv4_tree.engine import Request
+from dsv4_tree.serving.synth import synthetic_request
 from dsv4_tree.tree.simulate import eagle_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,14 +30,6 @@ from bench_verify import bench_model  # noqa: E402  (the Flash-shaped model buil
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def plan_timer(engine):
-    """(label, fn(requests, trees)) timing the host plan build."""
-    if hasattr(engine, "plan"):
-        return "engine.plan", engine.plan
-    m = engine.model
-    return "build_plan", lambda reqs, trees: build_plan(trees, [r.seq_len for r in reqs], m.window, m.ratios)
 
 
 def median_s(fn, reps: int, device: str) -> float:
@@ -60,12 +48,8 @@ def requests(engine, count: int, context: int, spread: int):
     fills; verify reads them only) of context + (13 b mod spread) positions: different P."""
     v = engine.model.vocab_size
     g = torch.Generator().manual_seed(0)
-    out = []
-    for b in range(count):
-        p = context + (13 * b) % spread
-        out.append(Request(torch.randint(2, v, (p,), generator=g), int(torch.randint(2, v, (1,), generator=g)),
-                           synthetic_cache(engine.model, p, seed=b)))
-    return out
+    return [synthetic_request(engine, context + (13 * b) % spread, seed=b,
+                              root_token=int(torch.randint(2, v, (1,), generator=g))) for b in range(count)]
 
 
 def measure(engine, reqs, n: int, reps: int, device: str, label: str):
@@ -75,18 +59,17 @@ def measure(engine, reqs, n: int, reps: int, device: str, label: str):
     with OpCounter() as ops:
         engine.verify(reqs, trees)
     sync(device)
-    _, plan = plan_timer(engine)
-    plan_s = median_s(lambda: plan(reqs, trees), max(reps, 5), device)  # cheap: always a median of >= 5
+    plan_s = median_s(lambda: engine.plan(reqs, trees), max(reps, 5), device)  # cheap: always a median of >= 5
     verify_s = median_s(lambda: engine.verify(reqs, trees), reps, device)
     return {"model": label, "N": n, "bs": len(reqs), "ops": ops.total, "plan_ms": 1e3 * plan_s,
             "verify_ms": 1e3 * verify_s, "verify_ms_per_request": 1e3 * verify_s / len(reqs)}
 
 
-def spec_for(nodes, graph_bs):
-    kw = dict(eagle_topk=4, num_steps=16, num_draft_tokens=max(nodes), prefill_chunk=256)
+def spec_for(nodes, graph_bs, max_bs: int, context: int):
+    """Pools sized for max_bs requests of up to context + 64 committed positions plus a tree."""
+    kw = dict(eagle_topk=4, num_steps=16, num_draft_tokens=max(nodes), prefill_chunk=16, max_requests=max_bs,
+              max_total_tokens=max_bs * (context + 64 + max(nodes)))
     if graph_bs is not None:
-        if "cuda_graph_max_bs" not in {f.name for f in dataclasses.fields(dt.SpecConfig)}:
-            raise dt.ConfigError("--cuda-graph-max-bs: SpecConfig has no cuda_graph_max_bs field in this version")
         kw["cuda_graph_max_bs"] = graph_bs
     return dt.SpecConfig(**kw)
 
@@ -154,21 +137,21 @@ def main(argv=None):
     flash_bss = [int(x) for x in args.flash_bs.split(",")] if args.flash_bs else ([1, 4] if args.quick else bss)
     reps = args.reps or (1 if args.quick else 3)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    spec = spec_for(nodes, args.cuda_graph_max_bs)
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
-    records, timer = [], None
+    records, timer = [], "engine.plan"
     for name in args.models.split(","):
         t0 = time.perf_counter()
         if name == "trained":
+            spec = spec_for(nodes, args.cuda_graph_max_bs, max(bss), 96)
             engine = dt.Engine(dt.load_model(dt.trained_checkpoint(), device=args.device, dtype=dtype), spec)
             sizes, pool = bss, requests(engine, max(bss), 96, 64)
         elif name == "flash":
+            spec = spec_for(nodes, args.cuda_graph_max_bs, max(flash_bss), args.context)
             engine = dt.Engine(bench_model(args.layers, args.device, dtype), spec)
             sizes, pool = flash_bss, requests(engine, max(flash_bss), args.context, 64)
         else:
             raise SystemExit(f"--models: unknown model {name!r} (known: trained, flash)")
-        timer = plan_timer(engine)[0]
         print(f"[{name}] model and {len(pool)} requests ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         for n in nodes:
             for bs in sizes:
