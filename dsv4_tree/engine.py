@@ -35,10 +35,20 @@ class Request:
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
+    # (committed row, C4 layer) pairs whose indexer top-k boundary was a (near-)tie, counted on
+    # the model's device by prefill and commit; read it through committed_topk_ties
+    ties: torch.Tensor | None = field(default=None, repr=False)  # [] int64
 
     @property
     def seq_len(self) -> int:
         return self.cache.seq_len
+
+    @property
+    def committed_topk_ties(self) -> int:
+        """Indexer top-k boundary ties in the committed rows (prefill and every commit), summed
+        over C4 layers; where our tie rule decided which entries a row attended. Reading it
+        synchronises with the device."""
+        return 0 if self.ties is None else int(self.ties)
 
 
 @dataclass
@@ -54,7 +64,9 @@ class VerifyOutput:
 
     @property
     def topk_ties(self) -> int:
-        return self.run.topk_ties
+        """(row, C4 layer) pairs of this verify with a (near-)tie at the indexer top-k boundary.
+        Reading it synchronises with the device."""
+        return int(self.run.topk_ties.sum())
 
 
 class Engine:
@@ -134,9 +146,10 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
     def _run(self, requests, trees, logit_rows=None):
+        """-> (host plan, run). The forward reads a device copy of the plan; commit's bookkeeping
+        reads the host plan, so it never waits for the device."""
         plan = build_plan(trees, [r.seq_len for r in requests], self.model.window, self.model.ratios)
-        plan = plan.to(self.model.device)
-        run = run_rows(self.model, plan, [r.cache for r in requests], self.ops, logit_rows)
+        run = run_rows(self.model, plan.to(self.model.device), [r.cache for r in requests], self.ops, logit_rows)
         return plan, run
 
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
@@ -158,6 +171,7 @@ class Engine:
             updates = commit_mod.commit_plan(self.model, req.cache, run.layers, 0, plan.requests[0], path)
             commit_mod.apply(req.cache, updates, req.seq_len + part.numel())
             req.tokens = torch.cat([req.tokens, part])
+            req.ties = run.topk_ties.sum() if req.ties is None else req.ties + run.topk_ties.sum()
             hidden.append(run.hidden)
             if sum(h.shape[0] for h in hidden) > keep:  # bounded: at most keep + one chunk
                 hidden = [torch.cat(hidden)[-keep:]]
@@ -245,10 +259,15 @@ class Engine:
             if req.seq_len + path.numel() >= self.limits.max_positions:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
             updates = commit_mod.commit_plan(self.model, req.cache, out.run.layers, b, rp, path)
-            hidden = out.run.hidden[rp.row_offset : rp.row_offset + rp.num_nodes][path.to(out.run.hidden.device)]
-            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
-        for req, updates, toks, bonus, n, hidden in staged:
+            rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
+            dev_path = path.to(out.run.hidden.device, non_blocking=True)
+            hidden = out.run.hidden[rows][dev_path]
+            ties = out.run.topk_ties[rows][dev_path].sum()
+            staged.append((req, updates, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):],
+                           ties))
+        for req, updates, toks, bonus, n, hidden, ties in staged:
             commit_mod.apply(req.cache, updates, req.seq_len + n)
             req.tokens = torch.cat([req.tokens, toks])
             req.root_token = int(bonus)
             req.new_hidden = hidden
+            req.ties = ties if req.ties is None else req.ties + ties

@@ -47,7 +47,8 @@ def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
 
 
 def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, apply_rope):
-    """x [1, T, hidden] -> (output [1, T, hidden], LayerRows, top-k boundary ties)."""
+    """x [1, T, hidden] -> (output [1, T, hidden], LayerRows, tie [T] bool: the row's indexer
+    top-k boundary is a (near-)tie; on the device, never read here)."""
     t = plan.num_rows
     h, d = attn.num_heads, attn.head_dim
     cos, sin = rope.rows[attn.rope_layer_type]
@@ -67,7 +68,8 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
             iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
             iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1)  # [T, HI, dI]
             iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
-    outs, ties = [], 0
+    outs = []
+    ties = torch.zeros(t, dtype=torch.bool, device=kv.device)
     empty = kv.new_zeros((0, d))
     for b, rp in enumerate(plan.requests):
         rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
@@ -91,7 +93,7 @@ def attention_rows(attn, x, plan: VerifyPlan, layer_caches, rope: RowRope, ops, 
                     iq[rows], iw[rows], cache.indexer.entries.rows, ient, cp.visible,
                     comp.indexer.index_topk, comp.indexer.scorer.softmax_scale,
                 )
-                ties += n_ties
+                ties[rows] = n_ties
                 c = cp.committed
                 none = torch.full_like(sel, -1)
                 global_kv = cache.main.entries.rows

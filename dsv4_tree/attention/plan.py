@@ -6,7 +6,7 @@ source rows come from (committed buffer / stored overlap / path rows) and which 
 entries each row may see. Nothing here depends on a layer's weights."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
@@ -14,17 +14,18 @@ from ..tree.draft_tree import DraftTree
 
 
 def _to(obj, device):
-    """Copy of a plan dataclass with every tensor field on `device` (trees stay on the host)."""
-    changes = {}
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor):
-            changes[f.name] = v.to(device)
-        elif isinstance(v, dict):
-            changes[f.name] = {k: _to(x, device) for k, x in v.items()}
-        elif isinstance(v, tuple) and v and hasattr(v[0], "__dataclass_fields__"):
-            changes[f.name] = tuple(_to(x, device) for x in v)
-    return replace(obj, **changes)
+    """`obj` with every tensor on `device`: a tensor, a dict or tuple of plan parts, or a plan
+    dataclass (field by field; trees and ints stay on the host). Host-to-device copies are
+    issued non-blocking: the host never waits for them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to(x, device) for k, x in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_to(x, device) for x in obj)
+    if not is_dataclass(obj) or isinstance(obj, DraftTree):
+        return obj
+    return replace(obj, **{f.name: _to(getattr(obj, f.name), device) for f in fields(obj)})
 
 
 @dataclass(frozen=True)

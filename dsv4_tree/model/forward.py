@@ -16,7 +16,7 @@ class RowsRun:
 
     logits: torch.Tensor  # [rows kept, vocab] (all T rows, or the requested subset)
     layers: list  # LayerRows per layer, for commit
-    topk_ties: int  # indexer top-k boundary ties seen (tie rule decided them)
+    topk_ties: torch.Tensor  # [T] int64 per row: C4 layers whose indexer top-k boundary was a tie
     hidden: torch.Tensor  # [T, hc_mult, hidden] residual streams before hc_head (MTP input)
 
 
@@ -55,7 +55,7 @@ def run_rows(model, plan: VerifyPlan, caches, ops, logit_rows: torch.Tensor | No
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
-    layers, ties = [], 0
+    layers, ties = [], torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
     for li, layer in enumerate(hf.layers):
         h, rows, n_ties = decoder_layer_rows(layer, h, plan, [c.layers[li] for c in caches], rope, ops, ids)
         layers.append(rows)

@@ -38,17 +38,18 @@ def _compressor_update(state: CompressorState, rows, b: int, cp: CompressPlan, p
     owned = owned[owned >= 0]
     if owned.numel() != n_e2 - n_e:
         raise AssertionError(f"commit closes {owned.numel()} blocks, expected {n_e2 - n_e}")
-    entries = rows.entries[b][owned.to(rows.entries[b].device)]
+    entries = rows.entries[b][owned.to(rows.entries[b].device, non_blocking=True)]
     table_kv = torch.cat([state.buffer_kv, rows.kv[row_slice]])
     table_gate = torch.cat([state.buffer_gate, rows.gate[row_slice]])
 
     def table_ids(q: torch.Tensor) -> torch.Tensor:
         return torch.where(q < seq_len, q - n_e * m, r + path[(q - seq_len).clamp(min=0)])
 
-    keep = table_ids(torch.arange(n_e2 * m, new_len))
+    dev = table_kv.device
+    keep = table_ids(torch.arange(n_e2 * m, new_len)).to(dev, non_blocking=True)
     ov_kv, ov_gate = state.overlap_kv, state.overlap_gate
     if state.overlap and n_e2 > n_e:
-        last = table_ids(torch.arange((n_e2 - 1) * m, n_e2 * m))
+        last = table_ids(torch.arange((n_e2 - 1) * m, n_e2 * m)).to(dev, non_blocking=True)
         d = state.head_dim
         ov_kv = table_kv[last][:, :d].clone()
         ov_gate = (table_gate[last] + bias)[:, :d].clone()
@@ -57,13 +58,15 @@ def _compressor_update(state: CompressorState, rows, b: int, cp: CompressPlan, p
 
 @torch.no_grad()
 def commit_plan(model, cache: RequestCache, run_layers, b: int, rp: RequestPlan, path: torch.Tensor) -> list:
-    """Compute the new per-layer state after accepting `path` (node ids, root first)."""
+    """Compute the new per-layer state after accepting `path` (node ids, root first).
+
+    rp and path are host bookkeeping (CPU); only index tensors travel to the cache's device."""
     rows = slice(rp.row_offset, rp.row_offset + rp.num_nodes)
     window = model.window
     updates = []
     for li, (lc, lr) in enumerate(zip(cache.layers, run_layers)):
         comp = model.hf.model.layers[li].self_attn.compressor
-        new_raw = lr.raw[rows][path.to(lr.raw.device)]
+        new_raw = lr.raw[rows][path.to(lr.raw.device, non_blocking=True)]
         win = torch.cat([lc.window, new_raw])[-window:].clone()
         main = index = None
         if lc.main is not None:
