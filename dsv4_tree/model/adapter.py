@@ -65,13 +65,21 @@ class Model:
         return RequestCache(0, layers)
 
 
-def load_model(source, device="cpu", dtype=torch.float32) -> Model:
+def load_model(source, device=None, dtype=None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors) or wrap a built
-    DeepseekV4ForCausalLM. Never touches the network."""
-    if isinstance(source, Model):
-        return source
-    if isinstance(source, DeepseekV4ForCausalLM):
-        return Model(source.to(device=device, dtype=dtype))
+    DeepseekV4ForCausalLM. Never touches the network.
+
+    device / dtype: None keeps a wrapped module's own (a directory loads as fp32 on the CPU);
+    given, a wrapped module is moved in place (nn.Module.to)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if isinstance(source, (Model, DeepseekV4ForCausalLM)):
+        moves = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        if isinstance(source, Model):
+            if moves:
+                source.hf.to(**moves)
+            return source
+        return Model(source.to(**moves) if moves else source)
     if not isinstance(source, (str, Path)):
         raise CheckpointError(f"source must be a directory or a DeepseekV4ForCausalLM, got {type(source).__name__}")
     path = Path(source)
@@ -85,9 +93,7 @@ def load_model(source, device="cpu", dtype=torch.float32) -> Model:
     model_type = json.loads(cfg_file.read_text()).get("model_type")
     if model_type != "deepseek_v4":
         raise CheckpointError(f"{cfg_file}: model_type is {model_type!r}, expected 'deepseek_v4'")
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"dtype must be a torch.dtype, got {dtype!r}")
-    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    model = Model(hf.to(device))
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, local_files_only=True)
+    model = Model(hf.to(device or "cpu"))
     model.source = path
     return model

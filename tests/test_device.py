@@ -1,0 +1,123 @@
+"""The device path: models stay where the caller put them, and prefill, verify, accept and
+commit keep every tensor on the model's device without reading device data on the host,
+except at the synchronisation points listed in design_notes/device-path.md.
+
+The meta proxy runs on any CPU: the model and every cache tensor live on the `meta` device
+(shapes only). An op mixing a meta tensor with a CPU one raises, and so does every host read
+of device data (.item(), int(t), bool(t), .tolist(), .cpu()). Next to it, the same flow on a
+real CUDA device, checked against the per-path oracle (marked gpu)."""
+import pytest
+import torch
+
+import dsv4_tree as dt
+from cases import REL_TOL, check_against_oracle, prompt, random_tree, small_config, small_model, snapshot
+from dsv4_tree.model.tiny import random_model
+from dsv4_tree.reference import per_path_logits, relative_error
+from dsv4_tree.verify.accept import Acceptance
+
+SPEC = dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16)
+
+
+def meta_model():
+    hf = random_model(small_config()).to("meta")
+    # transformers' default eager experts loop reads `nonzero()` on the host in every MoE
+    # layer (its code, not ours); batched_mm routes without a host read
+    hf.set_experts_implementation("batched_mm")
+    return hf
+
+
+def all_on(device: str, engine, reqs, out=None) -> None:
+    for req in reqs:
+        for li, layer in enumerate(snapshot(engine, req)):
+            for name, t in layer.items():
+                if name.endswith("entry_count"):  # a host int turned into a tensor by the summary
+                    continue
+                assert t.device.type == device, f"request {req.request_id} layer {li} {name} on {t.device}"
+        assert req.new_hidden.device.type == device and req.ties.device.type == device
+    if out is not None:
+        assert all(lg.device.type == device for lg in out.logits)
+        assert out.run.hidden.device.type == device and out.run.topk_ties.device.type == device
+        for lr in out.run.layers:
+            assert lr.raw.device.type == device
+
+
+def host_acceptance(req, tree, out, node: int, bonus: int) -> Acceptance:
+    """What accept_greedy returns, chosen on the host: the root-to-`node` path and a bonus."""
+    path = tree.path[node][tree.path[node] >= 0]
+    return Acceptance(tuple(path.tolist()), bonus, req.request_id, out.verify_id)
+
+
+def test_wrapping_keeps_the_callers_device_and_dtype():
+    hf = random_model(small_config()).to(torch.bfloat16)
+    engine = dt.Engine(hf, SPEC)
+    assert engine.model.hf is hf and engine.model.dtype == torch.bfloat16 and engine.model.device.type == "cpu"
+    assert all(p.dtype == torch.bfloat16 for p in hf.parameters())
+    meta = dt.load_model(meta_model())  # a .to("cpu") here would raise: meta tensors hold no data
+    assert meta.device.type == "meta" and meta.dtype == torch.float32
+    asked = dt.load_model(hf, dtype=torch.float32)  # explicit wishes are honoured
+    assert asked.dtype == torch.float32
+    with pytest.raises(dt.InputError, match="dtype"):
+        dt.load_model(hf, dtype="bf16")
+
+
+def test_plan_moves_every_index_tensor_to_the_device():
+    from dsv4_tree.attention.plan import build_plan
+
+    tree = random_tree(5, 12, 6, 3, 1)
+    plan = build_plan([tree], [21], 8, (4, 16)).to("meta")
+    rp = plan.requests[0]
+    tensors = [plan.positions, plan.input_ids, rp.positions, rp.swa_index, *rp.swa_branch_index.values()]
+    for cp in rp.compress.values():
+        tensors += [cp.closing, cp.blocks, cp.src, cp.prev, cp.prev_stored, cp.visible, cp.entry_of_node]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert rp.tree is tree and rp.tree.tokens.device.type == "cpu"  # host bookkeeping stays
+
+
+def test_meta_proxy_prefill_verify_accept_commit_stay_on_device():
+    engine = dt.Engine(meta_model(), SPEC)
+    reqs = [engine.prefill(prompt(n, seed)) for n, seed in ((19, 1), (30, 2))]  # chunked: prefill_chunk
+    all_on("meta", engine, reqs)
+    for rnd in range(2):
+        trees = [random_tree(r.root_token, 16, 7, 3, 10 * rnd + b) for b, r in enumerate(reqs)]
+        out = engine.verify(reqs, trees)
+        all_on("meta", engine, reqs, out)
+        assert [tuple(lg.shape) for lg in out.logits] == [(16, 512), (16, 512)]
+        # accept_greedy is a synchronisation point: it reads the logits' argmax on the host
+        with pytest.raises(NotImplementedError, match="meta"):
+            engine.accept_greedy(reqs, trees, out)
+        deepest = [int(t.depth.argmax()) for t in trees]
+        accs = [host_acceptance(r, t, out, node, 7 + b) for b, (r, t, node) in enumerate(zip(reqs, trees, deepest))]
+        before = [r.seq_len for r in reqs]
+        engine.commit(reqs, accs, out)
+        assert [r.seq_len for r in reqs] == [p + len(a.path) for p, a in zip(before, accs)]
+        assert [r.root_token for r in reqs] == [7, 8]
+        all_on("meta", engine, reqs)
+
+
+@pytest.mark.gpu
+def test_cuda_prefill_verify_accept_commit_match_the_oracle(device):
+    model = small_model(device=device.type)
+    engine = dt.Engine(model, SPEC)
+    prompts = [prompt(19, 1), prompt(30, 2)]
+    check_against_oracle(model, engine, prompts, [random_tree(int(p[-1]), 16, 7, 3, b) for b, p in enumerate(prompts)])
+    reqs = [engine.prefill(p) for p in prompts]
+    cpu_engine = dt.Engine(small_model(), SPEC)
+    cpu_reqs = [cpu_engine.prefill(p) for p in prompts]
+    for rnd in range(2):
+        trees = [random_tree(r.root_token, 16, 7, 3, 10 * rnd + b) for b, r in enumerate(reqs)]
+        out = engine.verify(reqs, trees)
+        all_on(device.type, engine, reqs, out)
+        for b, (r, t) in enumerate(zip(reqs, trees)):
+            err = relative_error(out.logits[b], per_path_logits(model, r.tokens, t))
+            assert err < REL_TOL, f"round {rnd} request {b}: {err:.2e}"
+        accs = engine.accept_greedy(reqs, trees, out)
+        cpu_out = cpu_engine.verify(cpu_reqs, trees)
+        assert [a.path for a in accs] == [a.path for a in cpu_engine.accept_greedy(cpu_reqs, trees, cpu_out)]
+        engine.commit(reqs, accs, out)
+        cpu_engine.commit(cpu_reqs, [Acceptance(a.path, a.bonus, c.request_id, cpu_out.verify_id)
+                                     for a, c in zip(accs, cpu_reqs)], cpu_out)
+        all_on(device.type, engine, reqs)
+        for r, c in zip(reqs, cpu_reqs):
+            for got, want in zip(snapshot(engine, r), snapshot(cpu_engine, c)):
+                for name in want:
+                    assert torch.allclose(got[name].cpu().float(), want[name].float(), atol=1e-5), name
