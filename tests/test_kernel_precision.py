@@ -93,3 +93,25 @@ def test_every_kernel_dot_states_ieee_precision():
                 prec = {k.arg: k.value for k in node.keywords}.get("input_precision")
                 assert isinstance(prec, ast.Constant) and prec.value == "ieee", f"{path.name}:{node.lineno}"
     assert dots >= 4
+
+
+def test_bf16_inputs_cost_one_output_rounding(device):
+    """bf16 inputs: tiles are upcast exactly and summed in fp32 (ieee), so the only error
+    against the fp32 reference on the same bf16 values is rounding the output to bf16: at most
+    one bf16 unit roundoff, |got - want| <= 2^-8 |want| (+1e-5 for fp32 summation order);
+    measured 3.8e-3 = 0.97 x 2^-8 worst. lse and indexer scores are fp32 outputs: fp32 tolerance."""
+    for case in [(3, 4, 32, 0, 20, 9, 0, 0), (4, 8, 16, 0, 10, 8, 50, 5), (7, 16, 64, 40, 30, 17, 64, 20)]:
+        args = attention_case(*case, seed=sum(case), device=device)
+        bf = [a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        want, want_lse = ref.ref_sparse_mqa_sink(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                                   for a in bf])
+        got, got_lse = kernels.sparse_mqa_sink(*bf)
+        assert got.dtype == torch.bfloat16
+        excess = ((got.float() - want).abs() - (2 ** -8 * want.abs() + 1e-5)).max()
+        assert excess <= 0, f"{case=}: error exceeds one bf16 rounding by {excess:.2e}"
+        assert torch.allclose(got_lse, want_lse, **TOL), f"{case=}"
+    gen = torch.Generator().manual_seed(8)
+    q, w, keys = torch.randn(6, 8, 32, generator=gen).bfloat16(), torch.randn(6, 8, generator=gen), \
+        torch.randn(300, 32, generator=gen).bfloat16()
+    got = kernels.indexer_scores(q.to(device), w.to(device), keys.to(device), 32 ** -0.5).cpu()
+    assert torch.allclose(got, ref.indexer_scores(q.float(), w, keys.float(), 32 ** -0.5), **TOL)
