@@ -62,6 +62,6 @@ def run_rows(model, plan: VerifyPlan, caches, ops, logit_rows: torch.Tensor | No
         ties += n_ties
     hidden = h[0]
     if logit_rows is not None:
-        h = h[:, logit_rows.to(h.device)]
+        h = h[:, logit_rows.to(h.device, non_blocking=True)]
     logits = model.hf.lm_head(hf.norm(hf.hc_head(h)))[0]
     return RowsRun(logits, layers, ties, hidden)
