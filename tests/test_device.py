@@ -8,14 +8,31 @@ of device data (.item(), int(t), bool(t), .tolist(), .cpu()). Next to it, the sa
 real CUDA device, checked against the per-path oracle (marked gpu)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import dsv4_tree as dt
 from cases import REL_TOL, check_against_oracle, prompt, random_tree, small_config, small_model, snapshot
+from dsv4_tree.drafters import MtpDrafter, TreeShape
 from dsv4_tree.model.tiny import random_model
 from dsv4_tree.reference import per_path_logits, relative_error
 from dsv4_tree.verify.accept import Acceptance
 
-SPEC = dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16)
+SPEC = dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16, prefill_chunk=16)
+COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+
+class NoHostTensorsInDeviceOps(TorchDispatchMode):
+    """Fails any op that mixes a meta tensor with a (non-scalar) CPU tensor other than an
+    explicit copy. PyTorch itself lets a CPU index tensor index a device tensor (on CUDA it is
+    a hidden blocking copy); this catches that too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        if func not in COPIES and any(t.device.type == "meta" for t in tensors):
+            host = [tuple(t.shape) for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+            assert not host, f"{func}: host tensors of shapes {host} mixed with meta tensors"
+        return func(*args, **(kwargs or {}))
 
 
 def meta_model():
@@ -73,9 +90,20 @@ def test_plan_moves_every_index_tensor_to_the_device():
     assert rp.tree is tree and rp.tree.tokens.device.type == "cpu"  # host bookkeeping stays
 
 
+def test_guard_catches_a_host_index_into_a_device_tensor():
+    table = torch.zeros(4, 2, device="meta")
+    with NoHostTensorsInDeviceOps(), pytest.raises(AssertionError, match="host tensors"):
+        table[torch.tensor([0, 2])]
+
+
 def test_meta_proxy_prefill_verify_accept_commit_stay_on_device():
     engine = dt.Engine(meta_model(), SPEC)
-    reqs = [engine.prefill(prompt(n, seed)) for n, seed in ((19, 1), (30, 2))]  # chunked: prefill_chunk
+    with NoHostTensorsInDeviceOps():
+        meta_flow(engine)
+
+
+def meta_flow(engine):
+    reqs = [engine.prefill(prompt(n, seed)) for n, seed in ((19, 1), (30, 2))]  # 2 chunks each
     all_on("meta", engine, reqs)
     for rnd in range(2):
         trees = [random_tree(r.root_token, 16, 7, 3, 10 * rnd + b) for b, r in enumerate(reqs)]
@@ -92,6 +120,24 @@ def test_meta_proxy_prefill_verify_accept_commit_stay_on_device():
         assert [r.seq_len for r in reqs] == [p + len(a.path) for p, a in zip(before, accs)]
         assert [r.root_token for r in reqs] == [7, 8]
         all_on("meta", engine, reqs)
+
+
+def test_meta_proxy_mtp_draft_forward_stays_on_device():
+    """The MTP drafter's sync and forward over draft rows (its top-k choice is host work)."""
+    model = dt.load_model(dt.tiny_checkpoint())
+    model.hf.set_experts_implementation("batched_mm")  # before the drafter copies the config
+    drafter = MtpDrafter(model, TreeShape(2, 3, 6))
+    model.hf.to("meta")
+    drafter.mtp.to("meta")
+    engine = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
+    with NoHostTensorsInDeviceOps():
+        req = engine.prefill(prompt(40, 3))
+        drafter.sync(req)
+        state = drafter.states[req.request_id]
+        tree = dt.DraftTree(torch.tensor([req.root_token, 5, 6, 7]), torch.tensor([-1, 0, 0, 1]))
+        rows = drafter.run([tree], [state.cache], state.prev_hidden.expand(4, -1, -1))
+    assert rows.logits.device.type == rows.hidden.device.type == state.cache.layers[0].window.device.type == "meta"
+    assert tuple(rows.logits.shape) == (4, model.vocab_size)
 
 
 @pytest.mark.gpu

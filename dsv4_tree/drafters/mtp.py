@@ -54,8 +54,8 @@ class MtpDrafter:
     @torch.no_grad()
     def run(self, trees, caches, hidden_in: torch.Tensor) -> MtpRows:
         """MTP rows for draft trees over their draft-layer caches; hidden_in [T, hc, hidden]."""
-        plan = build_plan(trees, [c.seq_len for c in caches], self.model.window, ())
-        ids = plan.input_ids.to(self.model.device).unsqueeze(0)
+        plan = build_plan(trees, [c.seq_len for c in caches], self.model.window, ()).to(self.model.device)
+        ids = plan.input_ids.unsqueeze(0)
         emb = self.model.hf.model.embed_tokens(ids)
         x = self.mtp.inputs(emb[0], hidden_in)
         rope = row_rope(self.model, plan, emb)
