@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+import dsv4_tree as dt
 from cases import check_against_oracle, prompt, random_tree, small_model
 from dsv4_tree import kernels
 from dsv4_tree.reference import ops as ref
 from test_kernels import TOL, attention_case
-
-import dsv4_tree as dt
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
