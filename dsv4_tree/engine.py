@@ -45,10 +45,23 @@ class Request:
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
-    prefill_topk_ties: int = 0  # indexer top-k boundary ties met while prefilling (committed rows)
+    # (committed row, C4 layer) pairs whose indexer top-k boundary was a (near-)tie, counted on
+    # the model's device by prefill and commit; read it through committed_topk_ties
+    ties: torch.Tensor | None = field(default=None, repr=False)  # [] int64
     released: bool = False  # set by Engine.release; a released request cannot be used again
     scratch_owner: int = field(default=0, repr=False)  # verify whose rows sit in this request's draft slots
     finalizer: object = field(default=None, repr=False, compare=False)  # returns the slots if never released
+
+
+    @property
+    def committed_topk_ties(self) -> int:
+        """Indexer top-k boundary ties in the committed rows (prefill and every commit), summed
+        over C4 layers: where our tie rule decided which entries a row attended. Reading it
+        synchronises with the device."""
+        return 0 if self.ties is None else int(self.ties)
+
+    def _add_ties(self, ties: torch.Tensor) -> None:
+        self.ties = ties if self.ties is None else self.ties + ties
 
 
 @dataclass
@@ -175,7 +188,7 @@ class Engine:
         try:
             for x in ids:
                 reqs.append(self.adopt(x[:0].clone(), int(x[-1]), rt.admit()))
-            hidden, ties = [[] for _ in reqs], [[] for _ in reqs]
+            hidden = [[] for _ in reqs]
             for start in range(0, max(x.numel() for x in ids) - 1, chunk):
                 live = [i for i, x in enumerate(ids) if x.numel() - 1 > start]
                 parts = [ids[i][start : min(start + chunk, ids[i].numel() - 1)] for i in live]
@@ -189,14 +202,13 @@ class Engine:
                     req.seq_len += n
                     req.tokens = torch.cat([req.tokens, part])
                     hidden[i] = [torch.cat(hidden[i] + [run.hidden[o : o + n]])[-keep:]]
-                    ties[i].append(run.topk_ties[o : o + n].sum())
+                    req._add_ties(run.topk_ties[o : o + n].sum())
         except BaseException:
             for req in reqs:
                 self.release(req)
             raise
-        for req, h, t in zip(reqs, hidden, ties):
+        for req, h in zip(reqs, hidden):
             req.new_hidden = h[0] if h else None
-            req.prefill_topk_ties = int(sum(t)) if t else 0
         return reqs
 
     def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
@@ -324,12 +336,14 @@ class Engine:
             if req.seq_len + path.numel() >= self.limits.max_positions:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
             o = out.plan.offsets[b]
-            hidden = out.run.hidden[o : o + tree.num_nodes][path.to(out.run.hidden.device)]
+            rows = (o + path).to(out.run.hidden.device, non_blocking=True)
             paths.append(path)
-            staged.append((req, tree.tokens[path], acc.bonus, path.numel(), hidden[-(self.model.window + 1):]))
+            staged.append((req, tree.tokens[path], acc.bonus, path.numel(), out.run.hidden[rows][-(self.model.window + 1):],
+                           out.run.topk_ties[rows].sum()))
         _check_live(requests)
         self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths)
-        for req, toks, bonus, n, hidden in staged:
+        for req, toks, bonus, n, hidden, ties in staged:
+            req._add_ties(ties)
             req.seq_len += n
             req.tokens = torch.cat([req.tokens, toks])
             req.root_token = int(bonus)

@@ -3,6 +3,7 @@
 One program owns a tile of index keys and loops over the rows of the request, so every key
 tile is loaded once for all rows (the committed candidates are shared by every row). Top-k
 then uses the shared tie rule (dsv4_tree.reference.select_topk).
+The dot runs on fp32 tiles with input_precision="ieee" (never Triton's TF32 default).
 Reference: dsv4_tree.reference.indexer_scores."""
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, H, E, D, scale,
     for n in range(0, N):
         q = load_rows(q_ptr, n * H + rh, rh < H, rd, D)
         w = tl.load(w_ptr + n * H + rh, mask=rh < H, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.dot(q, tl.trans(keys)), 0.0) * scale  # [BH, BE]
+        s = tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0) * scale  # [BH, BE]
         score = tl.sum(s * w[:, None], axis=0)
         tl.store(out_ptr + n * E + re, score, mask=re < E)
 

@@ -6,6 +6,8 @@ launcher merges them with the sink (cheap, [N, H, d]):
     into one M dimension, so each loaded KV tile serves every row and head of the request;
   * gather over per-row index lists (window + path rows + branch entries, and C4 picks from
     the committed table), one program per (row, head block).
+Every tile is fp32 in registers and every tl.dot runs with input_precision="ieee": Triton's
+default on NVIDIA GPUs is TF32 (10-bit mantissa inputs), ~1e-3 relative error in logits.
 Reference: dsv4_tree.reference.ref_sparse_mqa_sink."""
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def _online_softmax_step(m_i, l_i, acc, logits, kv):
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(logits - m_ref[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, kv)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def _dense_partial_kernel(q_ptr, kv_ptr, m_ptr, l_ptr, acc_ptr, M, S, D, scale,
     for s0 in range(0, S, BS):
         rs = s0 + tl.arange(0, BS)
         kv = load_rows(kv_ptr, rs, rs < S, rd, D)
-        logits = tl.where(rs[None, :] < S, tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
+        logits = tl.where(rs[None, :] < S, tl.dot(q, tl.trans(kv), input_precision="ieee") * scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
     store_partial(m_ptr, l_ptr, acc_ptr, rm, rm < M, rd, D, m_i, l_i, acc)
 
@@ -63,7 +65,7 @@ def _gather_partial_kernel(q_ptr, kv_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr, H, K, 
         idx = tl.load(idx_ptr + n * K + rk, mask=rk < K, other=-1)
         ok = idx >= 0
         kv = load_rows(kv_ptr, tl.where(ok, idx, 0), ok, rd, D)
-        logits = tl.where(ok[None, :], tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
+        logits = tl.where(ok[None, :], tl.dot(q, tl.trans(kv), input_precision="ieee") * scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, logits, kv)
     store_partial(m_ptr, l_ptr, acc_ptr, n * H + rh, hmask, rd, D, m_i, l_i, acc)
 

@@ -16,14 +16,19 @@ REL_TOL = 1e-4
 VOCAB = 512
 
 
-@functools.lru_cache(maxsize=None)
-def small_model(window: int = 8, hca: int = 16, topk: int = 3, sliding_only: bool = False):
-    """Tiny model with a short window and HCA ratio so crossings happen at short lengths."""
+def small_config(window: int = 8, hca: int = 16, topk: int = 3, sliding_only: bool = False):
+    """Tiny config with a short window and HCA ratio so crossings happen at short lengths."""
     kw = dict(sliding_window=window, compress_rates={"heavily_compressed_attention": hca}, index_topk=topk,
               max_position_embeddings=512)
     if sliding_only:
         kw.update(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["hash_moe", "moe"])
-    return dt.load_model(random_model(dt.tiny_config(**kw)))
+    return dt.tiny_config(**kw)
+
+
+@functools.lru_cache(maxsize=None)
+def small_model(window: int = 8, hca: int = 16, topk: int = 3, sliding_only: bool = False, device: str = "cpu"):
+    """The small_config model (seeded random weights, fp32) on `device`."""
+    return dt.load_model(random_model(small_config(window, hca, topk, sliding_only)).to(device))
 
 
 def snapshot(engine, req) -> list:
@@ -73,7 +78,11 @@ def check_against_oracle(model, engine, prompts, trees, label: str = "") -> floa
     """Verify all requests in one call; every row must match its per-path HF run."""
     reqs = [engine.prefill(p) for p in prompts]
     out = engine.verify(reqs, trees)
-    assert out.topk_ties == 0, f"{label}: indexer tie at the top-k boundary; choose another seed"
+    # the oracle recomputes the committed rows too: they must be tie-free as well as the tree's
+    committed_ties = [r.committed_topk_ties for r in reqs]
+    assert out.topk_ties == 0 and not any(committed_ties), (
+        f"{label}: indexer tie at the top-k boundary (tree {out.topk_ties}, committed rows {committed_ties}); "
+        "choose another seed")
     worst = 0.0
     for b, (p, tree) in enumerate(zip(prompts, trees)):
         ref = per_path_logits(model, p[:-1], tree, apply_tie_rule=False)  # untouched HF

@@ -2,16 +2,39 @@ import os
 import sys
 
 # Triton kernels run on CPU through the interpreter; it must be chosen before triton is
-# imported. On a GPU machine run with DSV4_TREE_GPU=1 to compile them for the device.
-if os.environ.get("DSV4_TREE_GPU") != "1":
+# imported. On a GPU machine run with DSV4_TREE_GPU=1 to compile them for the device: then the
+# kernel tests and the device flow tests build their tensors and models on cuda.
+GPU_MODE = os.environ.get("DSV4_TREE_GPU") == "1"
+if not GPU_MODE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (runs with DSV4_TREE_GPU=1)")
+    if GPU_MODE and not torch.cuda.is_available():
+        raise pytest.UsageError("DSV4_TREE_GPU=1 but torch sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    # the one place a test is skipped for want of a GPU: the `gpu` marker outside GPU mode
+    if GPU_MODE:
+        return
+    skip = pytest.mark.skip(reason="gpu test: run with DSV4_TREE_GPU=1 on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel and device-flow tests put tensors and models: cuda in GPU mode, else the
+    CPU (kernels through the Triton interpreter)."""
+    return torch.device("cuda" if GPU_MODE else "cpu")
 
 
 @pytest.fixture(autouse=True, scope="session")

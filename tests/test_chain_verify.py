@@ -54,5 +54,5 @@ def test_shipped_tiny_checkpoint_chain():
     """The shipped config (window 32, ratios 4 and 128) across the 128 boundary."""
     model = dt.load_model(dt.tiny_checkpoint())
     eng = engine_for(model, topk=1, steps=6, nodes=7)
-    p = prompt(125, seed=5)
-    check_against_oracle(model, eng, [p], [deep_chain_tree(int(p[-1]), 6, seed=5)], "tiny 128 crossing")
+    p = prompt(125, seed=7)  # seeds 5 and 6 have a top-k tie in a committed row
+    check_against_oracle(model, eng, [p], [deep_chain_tree(int(p[-1]), 6, seed=7)], "tiny 128 crossing")

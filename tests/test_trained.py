@@ -59,6 +59,7 @@ def test_oracle_with_tie_rule_matches_where_ties_occur():
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=5, num_draft_tokens=16))
     drafter = MtpDrafter(model, TreeShape(4, 5, 16))
     req = eng.prefill(torch.tensor(heldout_prompt(150, 0)))
+    assert req.committed_topk_ties > 0, "the case must have ties in its committed rows"
     worst, ties = 0.0, 0
     for _ in range(3):
         tree = drafter.draft(eng, [req])[0]

@@ -81,11 +81,11 @@ class MtpDrafter:
         caches = self.sync(requests)
         b, dev = len(requests), model.device
         seq = torch.tensor([r.seq_len for r in requests], device=dev)
-        lengths = torch.tensor([c.window.shape[0] for c in caches], device=dev)
+        lengths = torch.tensor([c.window.shape[0] for c in caches])  # host: index tables are built there
         roots = torch.tensor([r.root_token for r in requests], device=dev)
         table = torch.cat([c.window for c in caches])
         m = table.shape[0]
-        index = torch.cat([window_index(lengths, 0, 1, w), (m + torch.arange(b, device=dev)).unsqueeze(1)], 1)
+        index = torch.cat([window_index(lengths, 0, 1, w, dev), (m + torch.arange(b, device=dev)).unsqueeze(1)], 1)
         rows = run_rows(model, self.mtp, roots, torch.stack([c.prev_hidden for c in caches]), seq, table, index)
         steps_rows, step_ids = [rows], [roots]
         table = torch.cat([table, rows.raw])
@@ -102,7 +102,7 @@ class MtpDrafter:
             a = anc.reshape(t, s)
             if s >= w:  # ancestors that fell out of the window
                 a = torch.where(torch.arange(s, device=dev) > s - w, a, torch.full_like(a, -1))
-            index = torch.cat([window_index(lengths, s, k, w), a, (m + torch.arange(t, device=dev)).unsqueeze(1)], 1)
+            index = torch.cat([window_index(lengths, s, k, w, dev), a, (m + torch.arange(t, device=dev)).unsqueeze(1)], 1)
             rows = run_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
                             (seq + s).repeat_interleave(k), table, index)
             steps_rows.append(rows)

@@ -66,16 +66,17 @@ def extend(model, mtp, caches: list, requests: list) -> None:
         cache.prev_hidden = last.clone()
 
 
-def window_index(lengths: torch.Tensor, depth: int, rows_per_request: int, window: int) -> torch.Tensor:
+def window_index(lengths: torch.Tensor, depth: int, rows_per_request: int, window: int, device=None) -> torch.Tensor:
     """Window keys of the draft rows at `depth` (position seq_len + depth), per request.
 
-    lengths [B] window rows per request (positions seq_len - w .. seq_len - 1), laid out
-    back to back from table row 0. Returns [B * rows_per_request, max(lengths)] table ids, -1 = not visible
-    (row j of request b, position seq_len - w + j, is visible when within the window)."""
+    lengths [B] window rows per request (positions seq_len - w .. seq_len - 1; host bookkeeping,
+    a CPU tensor), laid out back to back from table row 0. Returns [B * rows_per_request,
+    max(lengths)] table ids on `device`, -1 = not visible (row j of request b, position
+    seq_len - w + j, is visible when within the window). Built on the host: no device read."""
     width = int(lengths.max()) if lengths.numel() else 0
     offsets = torch.cumsum(lengths, 0) - lengths
     j = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, width]
     lo = (lengths + depth - window + 1).unsqueeze(1)  # first visible j
     ok = (j < lengths.unsqueeze(1)) & (j >= lo)
     idx = torch.where(ok, offsets.unsqueeze(1) + j, torch.full_like(j, -1))  # [B, width]
-    return idx.repeat_interleave(rows_per_request, dim=0)
+    return idx.repeat_interleave(rows_per_request, dim=0).to(device if device is not None else lengths.device)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputError
 from .hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
 from .hf_load import load_hf_directory
 
@@ -63,17 +63,25 @@ class Model:
         return out
 
 
-def load_model(source, device="cpu", dtype=torch.float32) -> Model:
+def load_model(source, device=None, dtype=None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
     layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
-    Never touches the network."""
-    if isinstance(source, Model):
-        return source
-    if isinstance(source, DeepseekV4ForCausalLM):
-        return Model(source.to(device=device, dtype=dtype))
+    Never touches the network.
+
+    device / dtype: None keeps a wrapped module's own (a directory loads as fp32 on the CPU);
+    given, a wrapped module is moved in place (nn.Module.to)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if isinstance(source, (Model, DeepseekV4ForCausalLM)):
+        moves = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        if isinstance(source, Model):
+            if moves:
+                source.hf.to(**moves)
+            return source
+        return Model(source.to(**moves) if moves else source)
     if not isinstance(source, (str, Path)):
         raise CheckpointError(f"source must be a directory or a DeepseekV4ForCausalLM, got {type(source).__name__}")
     path = Path(source)
-    model = Model(load_hf_directory(path, device, dtype))
+    model = Model(load_hf_directory(path, device or "cpu", dtype or torch.float32))
     model.source = path
     return model

@@ -51,10 +51,11 @@ def experts_implementation(model, name: str):
     (offsets stay on the device): no host synchronisation and no data-dependent shapes, unlike
     HF's default eager loop over hit experts (`nonzero()`); "batched_mm" gathers each row's
     expert weights (also sync-free; per-row results independent of the batch, but its cost
-    grows with rows x expert size)."""
+    grows with rows x expert size). Only HF's default (eager) is replaced: an implementation the
+    caller set on the model stays."""
     cfg = model.hf.config
     before = cfg._experts_implementation
-    if name == "eager" or before == name:
+    if before not in (None, "eager"):  # the caller chose an implementation: keep it
         yield
         return
     cfg._experts_implementation = name

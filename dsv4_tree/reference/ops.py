@@ -52,12 +52,13 @@ TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (nea
 
 
 def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, branch_visible: torch.Tensor,
-                topk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tie rule (shared by every backend): candidates in block order, stable descending sort.
 
     committed_scores [N,C]; branch_scores [N,E] (all branch entries); branch_visible [N,V].
-    Returns (selected [N,k] ids into committed++branch, valid [N,k], rows whose k-th and
-    (k+1)-th scores are equal or within TIE_MARGIN relative: the choice there is ours alone)."""
+    Returns (selected [N,k] ids into committed++branch, valid [N,k], tie [N] bool: rows whose
+    k-th and (k+1)-th scores are equal or within TIE_MARGIN relative, where the choice is ours
+    alone). Everything stays on the scores' device: counting ties never waits for it."""
     n, c = committed_scores.shape
     vis_ok = branch_visible >= 0
     if branch_visible.shape[1] and branch_scores.shape[1]:
@@ -73,13 +74,13 @@ def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, bra
     order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
     selected = torch.gather(ids, 1, order[:, :k])
     valid = torch.isfinite(order_scores[:, :k])
-    ties = 0
+    tie = torch.zeros(n, dtype=torch.bool, device=scores.device)
     if 0 < k < scores.shape[1]:
         edge, nxt = order_scores[:, k - 1], order_scores[:, k]
         # a boundary within rounding of a tie: another implementation may choose differently
         gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        ties = int((((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).sum())
-    return selected, valid, ties
+        tie = ((edge - nxt) <= gap_limit) & torch.isfinite(nxt)
+    return selected, valid, tie
 
 
 def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
@@ -112,13 +113,13 @@ def ref_indexer_topk(
     topk: int,
     scale: float,
     scores_fn=indexer_scores,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k compressed entries per row over committed + the row's own branch entries.
 
     q [N,H,D]; weights [N,H]; committed_keys [C,D] (every row sees all); branch_keys [E,D];
     branch_visible [N,V] branch entry ids the row sees, in block order, -1 = none.
-    Returns (selected [N,k] ids into committed++branch, valid [N,k] bool, rows with a tie
-    at the top-k boundary), k = min(topk, C + V)."""
+    Returns (selected [N,k] ids into committed++branch, valid [N,k] bool, tie [N] bool: the
+    row's top-k boundary is a (near-)tie), k = min(topk, C + V)."""
     sc = scores_fn(q, weights, committed_keys, scale)  # [N, C]
     sb = scores_fn(q, weights, branch_keys, scale)  # [N, E]
     return select_topk(sc, sb, branch_visible, topk)

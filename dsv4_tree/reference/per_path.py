@@ -45,18 +45,27 @@ def sequence_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool = True) -> torch.Tensor:
+def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool = True,
+                    batch_by_depth: bool = False) -> torch.Tensor:
     """Row i: the model's logits at the last position of committed_ids ++ tokens of path(i),
     each computed by its own forward from scratch. [N, vocab]
 
     apply_tie_rule: break exact indexer top-k ties by our documented rule (the only freedom
-    the HF oracle leaves); False runs HF untouched."""
+    the HF oracle leaves); False runs HF untouched.
+    batch_by_depth: run the paths of one depth (equal lengths, no padding) as one batched
+    forward; the same computation per row, fewer calls (rounding may differ by batch size)."""
     committed = torch.as_tensor(committed_ids, dtype=torch.int64).cpu()
-    rows = []
+    rows = [None] * tree.num_nodes
+    groups = [[i] for i in range(tree.num_nodes)]
+    if batch_by_depth:
+        groups = [(tree.depth == d).nonzero().flatten().tolist() for d in range(tree.max_depth + 1)]
+    hf = _hf(model)
     with tie_rule(model) if apply_tie_rule else contextlib.nullcontext():
-        for i in range(tree.num_nodes):
-            seq = torch.cat([committed, tree.path_tokens(i)])
-            rows.append(sequence_logits(model, seq)[-1])
+        for group in groups:
+            seqs = torch.stack([torch.cat([committed, tree.path_tokens(i)]) for i in group])
+            logits = hf(input_ids=seqs.to(hf.lm_head.weight.device), use_cache=False).logits[:, -1]
+            for i, row in zip(group, logits):
+                rows[i] = row
     return torch.stack(rows)
 
 
