@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import dsv4_tree as dt
 from cases import random_tree, snapshot
@@ -83,25 +83,38 @@ class EngineMachine(RuleBasedStateMachine):
             diff = same_state(full_state(self.eng, r), before[k])
             assert diff is None, f"{label}: refused call changed request {r.request_id}: {diff}"
 
-    def pick_round(self, data, with_accs: bool):
-        cands = [r for r in self.rounds if (r.accs is not None) == with_accs or not with_accs]
-        return data.draw(st.sampled_from(cands)) if cands else None
-
     # ------------------------------------------------------------ rules
+    @initialize(length=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+    def first_request(self, length, seed):
+        self.prefill(length, seed)
+
     @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)
     @rule(length=st.one_of(st.integers(1, 40), st.integers(124, 132)), seed=st.integers(0, 2**31 - 1))
     def prefill(self, length, seed):
         ids = torch.randint(2, self.vocab, (length,), generator=torch.Generator().manual_seed(seed))
         self.reqs.append(self.eng.prefill(ids))
 
-    @precondition(lambda self: self.reqs)
+    def fresh_round(self, data, with_accs: bool) -> Round:
+        """A round that is not stale (verified now), accepted greedily when with_accs."""
+        rnd = self.new_round(data)
+        if with_accs:
+            rnd.accs = self.eng.accept_greedy(rnd.reqs, rnd.trees, rnd.out)
+        return rnd
+
+    def a_round(self, data, with_accs: bool) -> Round:
+        cands = [r for r in self.rounds if r.accs or not with_accs]
+        return data.draw(st.sampled_from(cands)) if cands else self.fresh_round(data, with_accs)
+
     @rule(data=st.data())
     def verify(self, data):
+        self.new_round(data)
+
+    def new_round(self, data) -> Round:
         idx = data.draw(st.lists(st.integers(0, len(self.reqs) - 1), min_size=1, unique=True))
         reqs = [self.reqs[i] for i in idx]
         trees = []
         for req in reqs:
-            if data.draw(st.booleans()):  # planted: the target's greedy path among random siblings
+            if data.draw(st.integers(0, 2)) == 0:  # planted: the target's greedy path among random siblings
                 seed = data.draw(st.integers(0, 1000))
                 trees.append(PlantedDrafter(self.eng.model, SHAPE, corrupt=0.3, seed=seed).draft_one(req))
             else:
@@ -113,8 +126,8 @@ class EngineMachine(RuleBasedStateMachine):
         for r, b in zip(reqs, before):
             assert same_state(full_state(self.eng, r), b) is None, "verify changed committed state"
         self.rounds.append(Round(reqs, trees, out))
+        return self.rounds[-1]
 
-    @precondition(lambda self: self.reqs)
     @rule(data=st.data(), kind=st.sampled_from(["root", "nodes", "depth", "vocab", "twice", "lengths", "type"]))
     def verify_invalid(self, data, kind):
         req = data.draw(st.sampled_from(self.reqs))
@@ -136,10 +149,9 @@ class EngineMachine(RuleBasedStateMachine):
             trees = [[root, 5]]
         self.refused(lambda: self.eng.verify(reqs, trees), f"verify_invalid {kind}")
 
-    @precondition(lambda self: self.rounds)
     @rule(data=st.data(), sampling=st.booleans(), temperature=st.sampled_from([0.5, 1.0, 2.0]))
     def accept(self, data, sampling, temperature):
-        rnd = data.draw(st.sampled_from(self.rounds))
+        rnd = self.a_round(data, with_accs=False)
 
         def call():
             if sampling:
@@ -152,27 +164,25 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             rnd.accs = call()
 
-    @precondition(lambda self: any(r.accs for r in self.rounds))
     @rule(data=st.data())
     def commit(self, data):
-        rnd = data.draw(st.sampled_from([r for r in self.rounds if r.accs]))
+        rnd = self.a_round(data, with_accs=True)
         if self.stale(rnd):
             self.refused(lambda: self.eng.commit(rnd.reqs, rnd.accs, rnd.out), "stale commit")
         else:
             self.eng.commit(rnd.reqs, rnd.accs, rnd.out)
 
-    @precondition(lambda self: sum(1 for r in self.rounds if r.accs) >= 2)
     @rule(data=st.data())
     def commit_other_acceptances(self, data):
-        a, b = data.draw(st.lists(st.sampled_from([r for r in self.rounds if r.accs]), min_size=2, max_size=2,
-                                  unique_by=id))
+        a = self.a_round(data, with_accs=True)
+        others = [r for r in self.rounds if r.accs and r is not a]
+        b = data.draw(st.sampled_from(others)) if others else self.fresh_round(data, with_accs=True)
         self.refused(lambda: self.eng.commit(b.reqs, a.accs, b.out), "commit with another verify's acceptances")
         self.refused(lambda: self.eng.commit(a.reqs, a.accs, b.out), "commit with another verify's output")
 
-    @precondition(lambda self: any(r.accs for r in self.rounds))
     @rule(data=st.data(), kind=st.sampled_from(["node", "vocab", "float", "root", "count"]))
     def commit_tampered(self, data, kind):
-        rnd = data.draw(st.sampled_from([r for r in self.rounds if r.accs]))
+        rnd = self.a_round(data, with_accs=True)
         b = data.draw(st.integers(0, len(rnd.accs) - 1))
         acc, n = rnd.accs[b], rnd.trees[b].num_nodes
         bad = {"node": dt.Acceptance(acc.path + (n,), acc.bonus, acc.request_id, acc.verify_id),
@@ -188,7 +198,7 @@ class EngineMachine(RuleBasedStateMachine):
             accs[b] = bad[kind]
         self.refused(lambda: self.eng.commit(rnd.reqs, accs, rnd.out), f"tampered commit ({kind})")
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: len(self.reqs) >= 2)  # keep one request: every other rule needs one
     @rule(data=st.data())
     def release(self, data):
         """Engine keeps no per-request registry: releasing is dropping every reference."""
@@ -211,7 +221,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=8, stateful_step_count=25, deadline=None, derandomize=True,
+    max_examples=6, stateful_step_count=18, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 test_engine_state_machine = EngineMachine.TestCase
