@@ -60,6 +60,23 @@ def random_tree(root: int, n: int, max_depth: int, max_children: int, seed: int,
     return dt.DraftTree(toks, torch.tensor(parents, dtype=torch.int64))
 
 
+def spine_tree(root: int, n: int, depth: int, max_children: int, seed: int):
+    """A branching tree of exactly `depth`: a root-to-leaf spine of depth `depth`, then n - depth - 1
+    random nodes hung anywhere above the last level (<= max_children per node)."""
+    g = torch.Generator().manual_seed(seed)
+    parents, level, kids = [-1] + list(range(depth)), list(range(depth + 1)), [1] * depth + [0]
+    while len(parents) < n:
+        cands = [j for j in range(len(parents)) if level[j] < depth and kids[j] < max_children]
+        p = cands[int(torch.randint(len(cands), (1,), generator=g))]
+        parents.append(p)
+        level.append(level[p] + 1)
+        kids[p] += 1
+        kids.append(0)
+    toks = torch.randint(2, VOCAB, (n,), generator=g)
+    toks[0] = root
+    return dt.DraftTree(toks, torch.tensor(parents, dtype=torch.int64))
+
+
 def deep_chain_tree(root: int, depth: int, seed: int):
     return random_tree(root, depth + 1, depth, 1, seed)
 

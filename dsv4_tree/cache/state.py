@@ -39,10 +39,6 @@ class GrowBuffer:
         self._data[self._len : need] = rows
         self._len = need
 
-    def truncate(self, length: int) -> None:
-        """Drop rows past `length` (used to undo an append when a batched commit fails)."""
-        self._len = min(self._len, length)
-
     def clone(self) -> "GrowBuffer":
         out = GrowBuffer(self._data.shape[1], self._data.dtype, self._data.device, self._len)
         out.append(self.rows)
