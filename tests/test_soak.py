@@ -19,10 +19,10 @@ def test_soak_tree_mtp_greedy_equals_hf_cached_greedy():
     ids = torch.tensor(heldout_prompt(200, 11))
     config = copy.deepcopy(model.hf.generation_config)
     config.eos_token_id = None  # run the full budget; our generate has no EOS either
-    config.do_sample = False
+    config.do_sample, config.max_new_tokens, config.use_cache = False, NEW, True
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.hf.generate(ids.unsqueeze(0), generation_config=config, max_new_tokens=NEW, use_cache=True)
+        out = model.hf.generate(ids.unsqueeze(0), generation_config=config)
     want = out[0, ids.numel():].tolist()
     t_hf = time.perf_counter() - t0
     assert len(want) == NEW
