@@ -4,23 +4,38 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import dsv4_tree as dt
 import dsv4_tree.tree.draft_tree as draft_tree_mod
 from cases import random_tree, spine_tree
 
 
-def chain_seconds(n: int, reps: int = 7) -> float:
-    """Median wall time of building a chain of n tokens and reading what prefill reads
-    without a plan (depth, max_depth, positions, leaves)."""
+class ElementCount(TorchDispatchMode):
+    """Counts tensor elements read and written by every torch op run inside it: a
+    deterministic measure of work (an N x N intermediate alone counts N^2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(t, torch.Tensor):
+                self.elements += t.numel()
+        return out
+
+
+def chain_work(n: int) -> int:
+    """Elements touched building a chain of n tokens and reading what prefill reads besides
+    the plan (depth, max_depth, positions, leaves, is_chain)."""
     tokens = torch.arange(n)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    with ElementCount() as count:
         tree = dt.DraftTree.chain(tokens)
         tree.positions(5), tree.max_depth, tree.leaves, tree.is_chain()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return count.elements
 
 
 def test_chain_construction_is_linear(monkeypatch):
@@ -29,13 +44,28 @@ def test_chain_construction_is_linear(monkeypatch):
 
     monkeypatch.setattr(draft_tree_mod, "ancestor_matrix", quadratic)
     small, large = 2048, 16384
-    chain_seconds(small, reps=2)  # warm-up
-    ratio = chain_seconds(large) / chain_seconds(small)
-    # linear: ~8 (less while fixed overheads dominate); quadratic would be 64, cubic 512
-    assert ratio < 24, f"16K/2K chain construction time ratio {ratio:.1f}: super-linear"
+    work_small, work_large = chain_work(small), chain_work(large)
+    # linear: the ratio is 8 and the work a few dozen elements per token; an N x N step would
+    # make the ratio 64 and the work thousands of elements per token
+    assert work_large / work_small < 9, f"{work_small=} {work_large=}: super-linear"
+    assert work_large < 64 * large, f"{work_large=} elements for {large} tokens"
     tree = dt.DraftTree.chain(torch.arange(large))
     assert "path" not in vars(tree) and "ancestors" not in vars(tree)  # nothing N x N built yet
     assert tree.max_depth == large - 1 and tree.leaves.tolist() == [large - 1]
+    # and the wall time agrees (medians; generous, timings share the machine)
+    ratio = chain_seconds(large) / chain_seconds(small)
+    assert ratio < 24, f"16K/2K chain construction time ratio {ratio:.1f} (linear: <= 8, quadratic: 64)"
+
+
+def chain_seconds(n: int, reps: int = 9) -> float:
+    tokens = torch.arange(n)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        tree = dt.DraftTree.chain(tokens)
+        tree.positions(5), tree.max_depth, tree.leaves, tree.is_chain()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def reference_derived(tree):

@@ -114,9 +114,10 @@ class DraftTree:
     @functools.cached_property
     def leaves(self) -> torch.Tensor:
         """Nodes without children, ascending. [L] int64"""
-        has_child = torch.zeros(self.num_nodes, dtype=torch.bool)
-        has_child[self.parents[1:]] = True
-        return (~has_child).nonzero().flatten()
+        if self._chain:
+            return torch.tensor([self.num_nodes - 1])
+        children = torch.bincount(self.parents[1:], minlength=self.num_nodes)
+        return (children == 0).nonzero().flatten()
 
     @classmethod
     def from_lists(cls, tokens, parents) -> "DraftTree":
