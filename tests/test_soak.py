@@ -1,5 +1,6 @@
 """Soak: 2,000 greedy tokens on the trained checkpoint with a tree MTP drafter equal Hugging
-Face's own cached greedy decoding token for token."""
+Face's own cached greedy decoding token for token. About a minute on 2 idle CPU cores (HF's
+cached greedy ~26 s, ours ~27 s), so it runs by default; marked `slow` for `-m "not slow"`."""
 import copy
 import time
 
