@@ -33,10 +33,15 @@ FLASH_ATTENTION = dict(
 )
 
 
-def bench_model(layers: int, device: str, dtype):
+# --shapes tiny: the shipped tiny config's attention (for smoke runs and tests, seconds on CPU)
+TINY_ATTENTION = dict(vocab_size=1024, max_position_embeddings=1 << 21)
+
+
+def bench_model(layers: int, device: str, dtype, shapes: str = "flash"):
     kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     types = [kinds[i % 3] for i in range(layers)]
-    cfg = dt.tiny_config(**FLASH_ATTENTION, num_hidden_layers=layers, layer_types=types,
+    attention = FLASH_ATTENTION if shapes == "flash" else TINY_ATTENTION
+    cfg = dt.tiny_config(**attention, num_hidden_layers=layers, layer_types=types,
                          mlp_layer_types=["moe"] * layers)
     return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
 
@@ -130,7 +135,10 @@ def main(argv=None):
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                     help="pool storage of K=V rows and compressed entries")
     ap.add_argument("--backend", default="torch", choices=("torch", "triton"), help="SpecConfig.attention_backend")
-    ap.add_argument("--plot", default="bench_out/bench_verify.png", help="PNG path ('' to skip)")
+    ap.add_argument("--shapes", choices=("flash", "tiny"), default="flash",
+                    help="flash: DeepSeek-V4-Flash attention shapes; tiny: the tiny test config (smoke runs)")
+    ap.add_argument("--plot", default="bench_out/bench_verify.png",
+                    help="PNG path ('' to skip); needs matplotlib (the `bench` extra), skipped with a note without it")
     args = ap.parse_args(argv)
     if args.quick:
         contexts, nodes, reps = [4096, 16384], [8], args.reps or 1
@@ -143,16 +151,17 @@ def main(argv=None):
         nodes = [int(x) for x in args.nodes.split(",")]
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     t0 = time.perf_counter()
-    model = bench_model(args.layers, args.device, dtype)
+    model = bench_model(args.layers, args.device, dtype, args.shapes)
     spec = dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64, max_requests=2,
                          max_total_tokens=max(contexts) + 1024, kv_cache_dtype=args.kv_cache_dtype,
                          attention_backend=args.backend)
     engine = dt.Engine(model, spec)
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
-    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; kv {args.kv_cache_dtype}; {args.backend} backend; {args.layers} layers "
-          f"(64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128); model built in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    what = ("64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128" if args.shapes == "flash"
+            else "tiny test shapes")
+    print(f"machine: {machine}; torch {torch.__version__}; {dtype}; kv {args.kv_cache_dtype}; {args.backend} backend; "
+          f"{args.layers} layers ({what}); model built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     records = []
     header = (f"{'ctx':>7} {'N':>3} {'shape':>5} {'leaves':>6} {'R':>5} {'tree_ms':>9} {'chain_ms':>9} "
               f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8}")
@@ -184,8 +193,7 @@ def main(argv=None):
     print(header)
     print("\n".join(lines))
     if args.plot:
-        plot(records, args.plot)
-        print(f"plot: {args.plot}")
+        print(plot(records, args.plot))
     trees = [r for r in records if r["shape"] == "topk4" and r["N"] == 8] or [r for r in records if r["shape"] == "topk4"]
     head = min(trees, key=lambda r: abs(r["context"] - 65536))
     summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
@@ -194,8 +202,12 @@ def main(argv=None):
     print(json.dumps(summary))
 
 
-def plot(records, path):
-    import matplotlib
+def plot(records, path) -> str:
+    """Write the PNG; returns the one-line note to print (plotting is optional)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return f"plot: skipped, matplotlib is not installed (pip install 'dsv4-tree[bench]'); {path} not written"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -219,6 +231,8 @@ def plot(records, path):
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 if __name__ == "__main__":

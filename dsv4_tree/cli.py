@@ -8,11 +8,12 @@ import time
 
 import torch
 
-from .config import SpecConfig
+from .config import MASK_MODES, SpecConfig
 from .drafters import PlantedDrafter, TreeShape
 from .drafters.registry import DRAFTER_NAMES, resolve_drafter
 from .engine import Engine
-from .errors import Dsv4TreeError
+from .errors import Dsv4TreeError, InputError
+from .generate import resolve_sampling
 from .model.adapter import load_model
 from .model.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
@@ -30,7 +31,14 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-steps", type=int, default=None, help="num_steps: maximum draft depth")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="num_draft_tokens: nodes per tree, root included (default num_steps+1 for chains)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the prompt and the drafter")
+    p.add_argument("--accept", choices=("greedy", "sampling"), default=None,
+                   help="acceptance rule (SpecConfig.accept; default: the preset's, else greedy)")
+    p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
+                   help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode), used by --tensors-out")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (accept=sampling; default 1.0); greedy refuses values other than 0")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed for the prompt, the drafter and sampling")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on the shipped tiny models intra-op threads cost more than "
                         "they save, and far more when other processes share the cores); 0 = torch's choice")
@@ -51,6 +59,9 @@ def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
         changes["eagle_topk"] = args.topk
     if args.num_steps is not None:
         changes["num_steps"] = args.num_steps
+    for flag, name in (("accept", "accept"), ("mask_mode", "mask_mode")):
+        if getattr(args, flag) is not None:
+            changes[name] = getattr(args, flag)
     if args.num_draft_tokens is not None:
         changes["num_draft_tokens"] = args.num_draft_tokens
     elif "eagle_topk" in changes or "num_steps" in changes:
@@ -110,12 +121,16 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     """Verify rounds of one mode, each checked per path. -> (spec, tokens/verify, tokens/s, ok)"""
     engine = Engine(model, spec)
     drafter = _drafter(engine, args)
+    temperature = resolve_sampling(spec.accept, args.temperature, args.top_p)
+    gen = torch.Generator().manual_seed(args.seed)
     req = engine.prefill(prompt)
+    saved = []
     what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
             "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
           f"num_draft_tokens={spec.num_draft_tokens} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
-          f"({what[args.drafter]})")
+          f"({what[args.drafter]}) | accept={spec.accept}"
+          + (f" temperature={temperature} top_p={args.top_p}" if temperature is not None else ""))
     print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9} {'ties':>4}")
     worst, emitted, t_verify, t_round = 0.0, 0, 0.0, 0.0
     for rnd in range(args.rounds):
@@ -125,7 +140,12 @@ def _demo_run(model, spec, prompt, args) -> tuple:
         out = engine.verify([req], [tree])
         dt_verify = time.perf_counter() - t0
         t_verify += dt_verify
-        acc = engine.accept_greedy([req], [tree], out)[0]
+        if temperature is None:
+            acc = engine.accept_greedy([req], [tree], out)[0]
+        else:
+            acc = engine.accept_sampling([req], [tree], out, temperature, args.top_p, gen)[0]
+        if args.tensors_out:
+            saved.append(engine.tree_tensors([req], [tree])._asdict())
         p = req.seq_len
         engine.commit([req], [acc], out)
         t_round += time.perf_counter() - t_start  # draft + verify + accept + commit, not the check
@@ -139,6 +159,9 @@ def _demo_run(model, spec, prompt, args) -> tuple:
         from .train.corpus import decode
 
         print("continuation: " + repr(decode(req.tokens[prompt.numel() - 1 :].tolist() + [req.root_token])))
+    if args.tensors_out:
+        torch.save({"mask_mode": spec.mask_mode, "rounds": saved}, args.tensors_out)
+        print(f"tree tensors ({spec.mask_mode}) of {len(saved)} rounds: {args.tensors_out}")
     ok = worst <= REL_ERR_BOUND
     engine.release(req)
     print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
@@ -154,7 +177,10 @@ def cmd_generate(args) -> int:
     engine = Engine(model, _spec(args))
     drafter = _drafter(engine, args)
     if args.prompt is not None:
-        prompt = [int(t) for t in args.prompt.split(",")]
+        try:
+            prompt = [int(t) for t in args.prompt.split(",")]
+        except ValueError as exc:
+            raise InputError(f"--prompt must be comma-separated integer token ids: {exc}") from exc
     else:
         prompt = _prompt(model, args.prompt_len, args.seed, args.prompt_text)
     gen = torch.Generator().manual_seed(args.seed)
@@ -200,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rounds", type=int, default=8, help="verify rounds to run")
     d.add_argument("--corrupt", type=float, default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
+    d.add_argument("--tensors-out", default=None,
+                   help="save each round's SGLang-compatible tree tensors (mask in --mask-mode layout) to this .pt file")
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
     _spec_args(g)
@@ -210,8 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=int, default=64, help="length of the default prompt")
     g.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy acceptance; >0: lossless sampling")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling")
     g.add_argument("--eos", type=int, default=None, help="stop after this token id")
     g.add_argument("--corrupt", type=float, default=0.25, help="planted drafter: corruption probability")
     g.set_defaults(func=cmd_generate)

@@ -9,7 +9,7 @@ import torch
 
 from .attention.backend import get_backend
 from .config import SpecConfig
-from .errors import InputError, StateError
+from .errors import ConfigError, InputError, StateError
 from .hooks import validate_spec
 from .model.adapter import Model, load_model
 from .model.forward import RowsRun, run_rows
@@ -17,6 +17,7 @@ from .model.graphs import GraphCache
 from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
+from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
 from .tree.draft_tree import DraftTree
 from .verify.accept import Acceptance, greedy_path
 from .verify.sampling import sample_path, target_probs
@@ -28,6 +29,10 @@ def _check_live(requests) -> None:
     for req in requests:
         if getattr(req, "released", False):
             raise StateError(f"request {req.request_id} was released (Engine.release); start a new one with prefill")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -86,6 +91,9 @@ class Engine:
     """Tree (or chain) speculative verify for one DeepSeek-V4 model."""
 
     def __init__(self, model, spec: SpecConfig | None = None):
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise ConfigError(f"spec must be a dsv4_tree.SpecConfig (or None), got {type(spec).__name__}; "
+                              "build one with SpecConfig(**fields) or SpecConfig.from_file(path)")
         self.model: Model = load_model(model)
         self.spec = spec if spec is not None else SpecConfig()
         self.limits = validate_spec(self.model.config, self.spec)
@@ -116,9 +124,12 @@ class Engine:
             ids = prompt_ids.detach().cpu().long()
         else:
             try:
-                ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64)
-            except (TypeError, ValueError) as exc:
+                ids = torch.as_tensor(list(prompt_ids))
+            except (TypeError, ValueError, RuntimeError) as exc:
                 raise InputError(f"prompt_ids must be a sequence of ints: {exc}") from exc
+            if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+                raise InputError(f"prompt_ids must hold integer token ids, got {ids.dtype} values")
+            ids = ids.long()
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
         if ids.dim() != 1:
@@ -267,6 +278,8 @@ class Engine:
                         top_p: float = 1.0, generator: torch.Generator | None = None) -> list:
         """Lossless recursive rejection sampling against the target (see verify/sampling.py)."""
         self._check_out(requests, trees, out)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InputError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         accs = []
         for b, (req, tree) in enumerate(zip(requests, trees)):
             probs = target_probs(out.logits[b].cpu(), temperature, top_p)
@@ -275,7 +288,15 @@ class Engine:
         self._last = out
         return accs
 
-    def generate(self, prompt_ids, max_new_tokens: int, drafter=None, temperature: float = 0.0,
+    def tree_tensors(self, requests, trees) -> BuiltTree:
+        """The SGLang-compatible verify tensors of these trees (what build_tree returns), with the
+        tree mask in this engine's spec.mask_mode layout. Trees need equal node counts (SGLang
+        pads every request to num_draft_tokens)."""
+        self._check_batch(requests, trees)
+        seq_lens = [r.seq_len for r in requests]
+        return BuiltTree(**trees_to_tensors(list(trees), seq_lens, TreeMaskMode[self.spec.mask_mode]))
+
+    def generate(self, prompt_ids, max_new_tokens: int, drafter=None, temperature: float | None = None,
                  top_p: float = 1.0, eos_token_id=None, generator=None, progress=None):
         """Prefill, then draft -> verify -> accept -> commit rounds; drafter: "mtp" | "ngram" |
         "planted" | an object with draft(engine, requests). See dsv4_tree/generate.py."""
@@ -284,7 +305,7 @@ class Engine:
         return generate(self, prompt_ids, max_new_tokens, drafter, temperature, top_p, eos_token_id,
                         generator, progress)
 
-    def generate_batch(self, prompts, max_new_tokens, drafter=None, temperature: float = 0.0,
+    def generate_batch(self, prompts, max_new_tokens, drafter=None, temperature: float | None = None,
                        top_p: float = 1.0, eos_token_id=None, generator=None, progress=None) -> list:
         """Many prompts together: one draft pass and one verify per round for all live
         requests; each finishes on its own. See dsv4_tree/generate_batch.py."""
@@ -314,6 +335,11 @@ class Engine:
         out = out if out is not None else getattr(self, "_last", None)
         if out is None:
             raise StateError("commit needs the VerifyOutput its acceptances came from")
+        if not isinstance(out, VerifyOutput):
+            raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
+        if not isinstance(requests, (list, tuple)) or not isinstance(accs, (list, tuple)):
+            raise InputError(f"requests and accs must be lists, got {type(requests).__name__} and "
+                             f"{type(accs).__name__}")
         if len(requests) != len(accs):
             raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
         _check_live(requests)
@@ -327,6 +353,10 @@ class Engine:
                 raise StateError(f"accs[{b}] does not belong to this verify output and request")
             if req.scratch_owner != out.verify_id:
                 raise StateError(f"requests[{b}] was verified again since this output; its draft rows are gone")
+            if not isinstance(acc.path, (list, tuple)) or not all(_is_int(i) for i in acc.path):
+                raise InputError(f"accs[{b}].path must be a tuple of int node ids, got {acc.path!r}")
+            if not _is_int(acc.bonus):
+                raise InputError(f"accs[{b}].bonus must be an int token id, got {acc.bonus!r}")
             path = torch.as_tensor(acc.path, dtype=torch.int64)
             if path.numel() == 0 or int(path[0]) != 0:
                 raise InputError(f"accs[{b}].path must start at the root (node 0)")

@@ -1,6 +1,7 @@
 """Speculative generation: rounds of draft -> verify -> accept -> commit."""
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,10 +53,57 @@ def truncate(acc: Acceptance, emitted: list, budget: int, eos) -> tuple[Acceptan
     return cut, emitted[:k], True
 
 
-def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=0.0, top_p=1.0,
-             eos_token_id=None, generator=None, progress=None) -> GenerateResult:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise InputError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def resolve_sampling(accept: str, temperature, top_p) -> float | None:
+    """The temperature generate samples at, or None for greedy acceptance.
+
+    SpecConfig.accept decides the acceptance rule; arguments that contradict it are refused
+    rather than silently ignored: accept="greedy" takes temperature None or 0 and top_p 1;
+    accept="sampling" takes temperature None (meaning 1.0) or a finite value > 0."""
+    top_p = _real("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise InputError(f"top_p must lie in (0, 1], got {top_p}")
+    if temperature is not None:
+        temperature = _real("temperature", temperature)
+        if temperature < 0 or math.isinf(temperature):
+            raise InputError(f"temperature must be finite and >= 0, got {temperature}")
+    if accept == "greedy":
+        if temperature not in (None, 0.0) or top_p != 1.0:
+            raise InputError(
+                f"temperature={temperature} top_p={top_p} ask for sampling, but SpecConfig.accept='greedy' "
+                "accepts by argmax; use SpecConfig(accept='sampling') to sample"
+            )
+        return None
+    if temperature == 0.0:
+        raise InputError("temperature=0 with SpecConfig.accept='sampling': sampling needs temperature > 0; "
+                         "use SpecConfig(accept='greedy') for greedy decoding")
+    return 1.0 if temperature is None else temperature
+
+
+def _check_args(max_new_tokens, eos_token_id, generator) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+    if eos_token_id is not None and not all(_is_int(t) for t in eos):
+        raise InputError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
+             eos_token_id=None, generator=None, progress=None) -> GenerateResult:
+    """Greedy or sampled per engine.spec.accept (see resolve_sampling for temperature/top_p)."""
+    _check_args(max_new_tokens, eos_token_id, generator)
+    temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
     req = engine.prefill(prompt_ids)
     try:
@@ -80,7 +128,7 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
         t0 = time.perf_counter()
         out = engine.verify([req], [tree])
         stats.verify_seconds += time.perf_counter() - t0
-        if temperature > 0:
+        if temperature is not None:
             acc = engine.accept_sampling([req], [tree], out, temperature, top_p, generator)[0]
         else:
             acc = engine.accept_greedy([req], [tree], out)[0]

@@ -9,7 +9,7 @@ import time
 
 from .drafters.registry import resolve_drafter
 from .errors import InputError
-from .generate import GenerateResult, GenerateStats, check_room, truncate
+from .generate import GenerateResult, GenerateStats, check_room, resolve_sampling, truncate
 from .progress import token_bar
 
 
@@ -25,11 +25,12 @@ def _budgets(prompts, max_new_tokens) -> list:
     return budgets
 
 
-def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=0.0, top_p=1.0,
+def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
                    eos_token_id=None, generator=None, progress=None) -> list:
     """One GenerateResult per prompt, in order. max_new_tokens: one int or one per prompt.
     Greedy results equal per-prompt `generate` token for token."""
     budgets = _budgets(prompts, max_new_tokens)
+    temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
     reqs = []
     try:
@@ -53,7 +54,7 @@ def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, 
         t0 = time.perf_counter()
         out = engine.verify(batch, trees)
         seconds = time.perf_counter() - t0
-        if temperature > 0:
+        if temperature is not None:
             accs = engine.accept_sampling(batch, trees, out, temperature, top_p, generator)
         else:
             accs = engine.accept_greedy(batch, trees, out)

@@ -7,12 +7,34 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/ops.py`:
   pool_entries     <-> ref_pool_entries      (kernels/compressor.py)
   sparse_decode          <-> ref_sparse_decode          (kernels/sparse_decode.py; reference in reference/sparse_decode.py)
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
-On CPU they run under TRITON_INTERPRET=1 (set before triton is imported)."""
-from .compressor import pool_entries
-from .indexer import indexer_scores, indexer_topk
-from .indexer_gather import indexer_gather_scores
-from .sparse_attention import sparse_mqa_sink
-from .sparse_decode import sparse_decode
+On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
-__all__ = ["indexer_gather_scores", "indexer_scores", "indexer_topk", "pool_entries", "sparse_decode",
-           "sparse_mqa_sink"]
+Importing this package imports nothing else: the kernel modules (and Triton) load on first
+attribute access (PEP 562). Run from the repository root, this folder is importable as a
+top-level `kernels`, and transformers probes that name at import time; an eager import here
+would make `import transformers` pay for Triton, or fail where Triton is not installed."""
+import importlib
+
+_MODULE_OF = {
+    "indexer_gather_scores": "indexer_gather",
+    "indexer_scores": "indexer",
+    "indexer_topk": "indexer",
+    "pool_entries": "compressor",
+    "sparse_decode": "sparse_decode",
+    "sparse_mqa_sink": "sparse_attention",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
+from safetensors.torch import load_file
 
 import dsv4_tree as dt
 from dsv4_tree.model.tiny import random_model
 from dsv4_tree.reference import per_path_logits, relative_error
+from dsv4_tree.verify.commit import layer_summary
 
 # fp32 end to end; our gathers/matmuls sum in a different order than HF's dense masked
 # attention, so logits differ by rounding only (seen: ~1e-6 relative). 1e-4 leaves two orders
@@ -70,6 +73,23 @@ def random_tree(root: int, n: int, max_depth: int, max_children: int, seed: int,
     return dt.DraftTree(toks, torch.tensor(parents, dtype=torch.int64))
 
 
+def spine_tree(root: int, n: int, depth: int, max_children: int, seed: int):
+    """A branching tree of exactly `depth`: a root-to-leaf spine of depth `depth`, then n - depth - 1
+    random nodes hung anywhere above the last level (<= max_children per node)."""
+    g = torch.Generator().manual_seed(seed)
+    parents, level, kids = [-1] + list(range(depth)), list(range(depth + 1)), [1] * depth + [0]
+    while len(parents) < n:
+        cands = [j for j in range(len(parents)) if level[j] < depth and kids[j] < max_children]
+        p = cands[int(torch.randint(len(cands), (1,), generator=g))]
+        parents.append(p)
+        level.append(level[p] + 1)
+        kids[p] += 1
+        kids.append(0)
+    toks = torch.randint(2, VOCAB, (n,), generator=g)
+    toks[0] = root
+    return dt.DraftTree(toks, torch.tensor(parents, dtype=torch.int64))
+
+
 def deep_chain_tree(root: int, depth: int, seed: int):
     return random_tree(root, depth + 1, depth, 1, seed)
 
@@ -90,3 +110,37 @@ def check_against_oracle(model, engine, prompts, trees, label: str = "") -> floa
         assert err < REL_TOL, f"{label} request {b}: P={p.numel() - 1} N={tree.num_nodes} depth={tree.max_depth} rel_err={err:.3e}"
         worst = max(worst, err)
     return worst
+
+
+def snapshot(engine, req) -> list:
+    """A request's committed cache state: per layer, a dict name -> tensor (copies). The one
+    place tests read committed cache state."""
+    return [{k: v.clone() for k, v in layer_summary(lc).items()} for lc in req.cache.layers]
+
+
+def assert_weights_from_file(hf, path) -> None:
+    """Every parameter and buffer of the loaded `hf` model equals (after the dtype cast) a tensor
+    read straight from the checkpoint's safetensors, and every tensor of the file is used: a
+    check independent of from_pretrained and its renaming. Routed experts are fused on load
+    (w1|w3 -> gate_up_proj, w2 -> down_proj, stacked over experts); the file's mtp.* tensors
+    belong to the MTP block, not to the causal LM."""
+    file = {}
+    for f in sorted(path.glob("*.safetensors")):
+        file.update(load_file(str(f)))
+    file = {k: v for k, v in file.items() if not k.startswith("mtp.")}
+    used = set()
+    for name, p in hf.state_dict().items():
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        if fused:
+            pre = f"model.layers.{fused.group(1)}.ffn.experts"
+            keys = {w: [f"{pre}.{e}.{w}.weight" for e in range(p.shape[0])] for w in ("w1", "w2", "w3")}
+            w = {k: torch.stack([file[n] for n in names]).to(p.dtype) for k, names in keys.items()}
+            want = torch.cat([w["w1"], w["w3"]], 1) if fused.group(2) == "gate_up_proj" else w["w2"]
+            ok = any(c.shape == p.shape and torch.equal(c, p) for c in (want, want.transpose(1, 2)))
+            assert ok, f"{name} is not the file's stacked experts"
+            used.update(n for names in keys.values() for n in names)
+            continue
+        hits = [k for k, v in file.items() if v.shape == p.shape and torch.equal(v.to(p.dtype), p)]
+        assert hits, f"{name} equals no tensor of {path} (left at initialisation?)"
+        used.update(hits)
+    assert not set(file) - used, f"tensors of {path} the model does not use: {sorted(set(file) - used)[:5]}"

@@ -133,4 +133,10 @@ def test_gpu_bf16_large_shapes(device):
     w = torch.randn(64, 64, device=device)
     got = kernels.indexer_scores(q, w, keys, 128 ** -0.5)
     want = ref.indexer_scores(q.float(), w, keys.float(), 128 ** -0.5)
-    assert torch.allclose(got, want, rtol=2e-2, atol=2e-1)
+    # Both sides see the same bf16 values and their products are exact in fp32: only the fp32
+    # summation order differs. First-order worst case: (D + H + 3 roundings) * eps32 times the
+    # sum of |terms|, which is the score of |q|, |w|, |keys| (relu of a non-negative dot is itself).
+    mag = ref.indexer_scores(q.float().abs(), w.abs(), keys.float().abs(), 128 ** -0.5)
+    bound = (128 + 64 + 3) * torch.finfo(torch.float32).eps * mag
+    worst = float(((got - want).abs() / bound.clamp(min=1e-30)).max())
+    assert ((got - want).abs() <= bound).all(), f"indexer score error {worst:.2f} x the summation bound"

@@ -94,14 +94,27 @@ def test_top_p_and_temperature_validation():
         target_probs(logits, 1.0, top_p=0.0)
 
 
-def test_engine_accept_sampling_runs():
-    from cases import engine_for, prompt, random_tree, small_model
+def test_engine_accept_sampling_commits_the_sampled_path():
+    """accept_sampling draws from the verified logits at the given temperature (same draws as
+    sample_path on them), returns a root-to-node path, and commit leaves the state of serial
+    decoding of the emitted tokens."""
+    from cases import engine_for, prompt, small_model, snapshot
+    from dsv4_tree.drafters import PlantedDrafter, TreeShape
 
     model = small_model()
     eng = engine_for(model)
-    req = eng.prefill(prompt(10, 1))
-    tree = random_tree(req.root_token, 12, 4, 3, 2)
+    p = prompt(10, 1)
+    req = eng.prefill(p)
+    tree = PlantedDrafter(model, TreeShape(3, 4, 12), corrupt=0.0, seed=2).draft_one(req)
     out = eng.verify([req], [tree])
-    acc = eng.accept_sampling([req], [tree], out, temperature=0.7, generator=torch.Generator().manual_seed(0))
-    eng.commit([req], acc, out)
-    assert req.seq_len == 9 + len(acc[0].path)
+    acc = eng.accept_sampling([req], [tree], out, temperature=0.7, generator=torch.Generator().manual_seed(0))[0]
+    path, bonus = sample_path(tree, target_probs(out.logits[0], 0.7), torch.Generator().manual_seed(0))
+    assert (list(acc.path), acc.bonus) == (path, bonus)
+    assert torch.equal(tree.path[path[-1], : len(path)], torch.tensor(path))
+    emitted = acc.emitted(tree)
+    eng.commit([req], [acc], out)
+    fresh = eng.prefill(torch.cat([p, torch.tensor(emitted)]))
+    assert torch.equal(req.tokens, fresh.tokens) and req.root_token == fresh.root_token
+    for la, lb in zip(snapshot(eng, req), snapshot(eng, fresh)):
+        for k in la:
+            assert la[k].shape == lb[k].shape and (la[k].numel() == 0 or (la[k] - lb[k]).abs().max() < 1e-5), k

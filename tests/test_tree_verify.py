@@ -1,11 +1,12 @@
-"""Tree verify equals per-path Hugging Face runs for every node (semantics.md §3-§7)."""
+"""Tree verify equals per-path Hugging Face runs for every node."""
 import pytest
 import torch
 
-from cases import PAGE_SIZES, check_against_oracle, engine_for, prompt, random_tree, small_model
+from cases import PAGE_SIZES, check_against_oracle, engine_for, prompt, random_tree, small_model, spine_tree
 
 TREE_CASES = [
-    # (P, N, max_depth, max_children, seed)
+    # (P, N, depth limit, max_children, seed); random growth reaches depth <= 9 here, the
+    # depth-12 branching trees are below
     (0, 8, 3, 3, 1),
     (2, 16, 6, 6, 2),
     (7, 20, 5, 2, 3),  # P < W
@@ -13,7 +14,7 @@ TREE_CASES = [
     (11, 12, 5, 4, 5),  # root closes a C4 block
     (15, 30, 7, 3, 6),  # root closes a C4 and an HCA block
     (12, 40, 12, 2, 7),  # HCA block closed inside the tree, several C4 blocks per path
-    (29, 64, 12, 6, 8),  # the largest: N=64, depth 12, branching up to 6
+    (29, 64, 12, 6, 8),  # the largest: N=64, branching up to 6
     (33, 48, 10, 4, 9),
     (46, 32, 6, 5, 10),
 ]
@@ -27,6 +28,17 @@ def test_random_tree_matches_per_path(P, N, depth, kids, seed, page_size):
     p = prompt(P + 1, seed)
     tree = random_tree(int(p[-1]), N, depth, kids, seed, dup_siblings=seed % 2 == 0)
     check_against_oracle(model, eng, [p], [tree], f"{P=} {N=} {depth=} {kids=} {seed=} {page_size=}")
+
+
+@pytest.mark.parametrize("P,N,kids,seed", [(12, 40, 3, 11), (29, 64, 4, 12), (5, 24, 2, 13)])
+def test_branching_tree_of_depth_12_matches_per_path(P, N, kids, seed):
+    """The deepest trees the engine allows (num_steps=12), with branches at many depths."""
+    model = small_model()
+    p = prompt(P + 1, seed)
+    tree = spine_tree(int(p[-1]), N, 12, kids, seed)
+    branching = sum(len(tree.children(u)) >= 2 for u in range(N))
+    assert tree.max_depth == 12 and branching >= 3, f"{tree.max_depth=} {branching=}"
+    check_against_oracle(model, engine_for(model), [p], [tree], f"depth 12 {P=} {N=} {kids=} {seed=}")
 
 
 def test_one_node_tree_is_plain_decode():

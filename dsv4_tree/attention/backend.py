@@ -27,9 +27,10 @@ def get_backend(name: str) -> AttentionOps:
     if name == "torch":
         return TORCH_OPS
     if name == "triton":
-        try:
+        try:  # the kernels package loads its modules (and Triton) on first attribute access
             from .. import kernels
+
+            return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores, kernels.sparse_decode)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
-        return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores, kernels.sparse_decode)
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

@@ -18,7 +18,10 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         for name in ("topk", "num_steps", "num_draft_tokens"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"TreeShape.{name} must be an int, got {value!r}")
+            if value < 1:
                 raise ConfigError(f"TreeShape.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod

@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 
+from ..errors import InputError
 from ..tree.draft_tree import DraftTree
 
 
@@ -54,7 +55,17 @@ def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool 
     the HF oracle leaves); False runs HF untouched.
     batch_by_depth: run the paths of one depth (equal lengths, no padding) as one batched
     forward; the same computation per row, fewer calls (rounding may differ by batch size)."""
-    committed = torch.as_tensor(committed_ids, dtype=torch.int64).cpu()
+    if not isinstance(tree, DraftTree):
+        raise InputError(f"tree must be a dsv4_tree.DraftTree, got {type(tree).__name__}")
+    committed = torch.as_tensor(committed_ids)
+    if committed.is_floating_point() or committed.is_complex() or committed.dtype == torch.bool:
+        raise InputError(f"committed_ids must hold integer token ids, got {committed.dtype}")
+    committed = committed.long().cpu().reshape(-1)
+    vocab = _hf(model).config.vocab_size
+    for name, ids in (("committed_ids", committed), ("tree.tokens", tree.tokens)):
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.numel():
+            raise InputError(f"{name}: token id {int(bad[0])} outside the vocabulary [0, {vocab})")
     rows = [None] * tree.num_nodes
     groups = [[i] for i in range(tree.num_nodes)]
     if batch_by_depth:

@@ -1,7 +1,8 @@
 """DraftTree: one request's verify tree (node 0 = root, parents before children)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -39,16 +40,13 @@ class DraftTree:
 
     tokens:  [N] int64
     parents: [N] int64, parents[0] == -1
-    Derived (computed once, on construction): depth [N], path [N, max_depth+1] (ancestor of
-    node i at each depth, -1 past its depth), ancestors [N, N] bool, leaves [L].
+    Derived on first use (cached): depth [N], path [N, max_depth+1] (ancestor of node i at each
+    depth, -1 past its depth), ancestors [N, N] bool, leaves [L]. Construction only validates
+    (O(N)); nothing quadratic is built unless asked for, so a prefill chunk's chain is linear.
     """
 
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64
-    depth: torch.Tensor = field(init=False, repr=False)  # [N] int64
-    path: torch.Tensor = field(init=False, repr=False)  # [N, max_depth + 1] int64, -1 padded
-    ancestors: torch.Tensor = field(init=False, repr=False)  # [N, N] bool
-    leaves: torch.Tensor = field(init=False, repr=False)  # [L] int64
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -80,18 +78,46 @@ class DraftTree:
             raise TreeError(f"DraftTree.tokens[{i}]={int(tokens[i])} is negative")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
-        depth = depth_by_pointer_jumping(parents)
-        anc = ancestor_matrix(parents)
-        n = tokens.numel()
-        path = torch.full((n, int(depth.max()) + 1), -1, dtype=torch.int64)
-        rows, cols = anc.nonzero(as_tuple=True)
-        path[rows, depth[cols]] = cols
-        has_child = torch.zeros(n, dtype=torch.bool)
-        has_child[parents[1:]] = True
-        object.__setattr__(self, "depth", depth)
-        object.__setattr__(self, "path", path)
-        object.__setattr__(self, "ancestors", anc)
-        object.__setattr__(self, "leaves", (~has_child).nonzero().flatten())
+
+    @functools.cached_property
+    def _chain(self) -> bool:
+        return bool((self.parents == torch.arange(self.num_nodes) - 1).all())
+
+    @functools.cached_property
+    def depth(self) -> torch.Tensor:
+        """Depth of every node. [N] int64"""
+        if self._chain:
+            return torch.arange(self.num_nodes)
+        return depth_by_pointer_jumping(self.parents)
+
+    @functools.cached_property
+    def path(self) -> torch.Tensor:
+        """path[i, d]: node i's ancestor at depth d (i itself at depth(i)), -1 past it. [N, D+1]"""
+        n, d = self.num_nodes, self.max_depth
+        if self._chain:
+            cols = torch.arange(n)
+            return torch.where(cols.unsqueeze(0) <= cols.unsqueeze(1), cols.unsqueeze(0), -1)
+        path = torch.full((n, d + 1), -1, dtype=torch.int64)
+        rows, cur = torch.arange(n), torch.arange(n)
+        for _ in range(d + 1):  # one vectorised step per level: O(N * D), the size of the output
+            live = cur >= 0
+            path[rows[live], self.depth[cur[live]]] = cur[live]
+            cur = torch.where(live, self.parents[cur.clamp(min=0)], cur)
+        return path
+
+    @functools.cached_property
+    def ancestors(self) -> torch.Tensor:
+        """ancestors[i, j]: node j lies on path(i) (ancestor or self). [N, N] bool"""
+        cols = torch.arange(self.num_nodes)
+        return self.path[:, self.depth] == cols.unsqueeze(0)
+
+    @functools.cached_property
+    def leaves(self) -> torch.Tensor:
+        """Nodes without children, ascending. [L] int64"""
+        if self._chain:
+            return torch.tensor([self.num_nodes - 1])
+        children = torch.bincount(self.parents[1:], minlength=self.num_nodes)
+        return (children == 0).nonzero().flatten()
 
     @classmethod
     def from_lists(cls, tokens, parents) -> "DraftTree":
@@ -116,7 +142,7 @@ class DraftTree:
         return self.depth + seq_len
 
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(self.num_nodes) - 1).all())
+        return self._chain
 
     def path_tokens(self, node: int) -> torch.Tensor:
         """Tokens of path(node), root first. [depth(node) + 1]"""

@@ -7,6 +7,8 @@ is removed from the target and the bonus is drawn from the renormalised remainde
 emitted token is therefore distributed exactly as the target's next-token distribution."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import InputError
@@ -15,8 +17,11 @@ from ..tree.draft_tree import DraftTree
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """softmax(logits / temperature) restricted to the top-p nucleus, renormalised. [N, V]"""
-    if temperature <= 0:
-        raise InputError(f"temperature must be > 0 for sampling, got {temperature}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise InputError(f"{name} must be a real number, got {value!r}")
+    if temperature <= 0 or math.isinf(temperature):
+        raise InputError(f"temperature must be > 0 and finite for sampling, got {temperature}")
     if not 0 < top_p <= 1:
         raise InputError(f"top_p must lie in (0, 1], got {top_p}")
     probs = torch.softmax(logits.double() / temperature, dim=-1)
