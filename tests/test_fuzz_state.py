@@ -221,7 +221,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=6, stateful_step_count=18, deadline=None, derandomize=True,
+    max_examples=8, stateful_step_count=20, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 test_engine_state_machine = EngineMachine.TestCase
