@@ -18,7 +18,7 @@ from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
-from .tree.draft_tree import DraftTree
+from .tree.draft_tree import DraftTree, depth_by_pointer_jumping
 from .verify.accept import Acceptance, greedy_path
 from .verify.sampling import sample_path, target_probs
 
@@ -29,6 +29,15 @@ def _check_live(requests) -> None:
     for req in requests:
         if getattr(req, "released", False):
             raise StateError(f"request {req.request_id} was released (Engine.release); start a new one with prefill")
+
+
+def packed_max_depth(trees, sizes, starts) -> list:
+    """Max depth of every tree, from one pointer-jumping pass over all trees packed together."""
+    parents = torch.cat([t.parents for t in trees])
+    offset = torch.repeat_interleave(torch.tensor(starts), torch.tensor(sizes), output_size=parents.numel())
+    depth = depth_by_pointer_jumping(torch.where(parents >= 0, parents + offset, parents))
+    which = torch.repeat_interleave(torch.arange(len(trees)), torch.tensor(sizes), output_size=parents.numel())
+    return torch.zeros(len(trees), dtype=torch.int64).scatter_reduce_(0, which, depth, "amax").tolist()
 
 
 def _is_int(value) -> bool:
@@ -159,24 +168,25 @@ class Engine:
             _check_live([req])
             if not isinstance(tree, DraftTree):
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
-            self._check_ids(tree.tokens, f"trees[{b}].tokens")
-            if int(tree.tokens[0]) != req.root_token:
-                raise InputError(
-                    f"trees[{b}] root token {int(tree.tokens[0])} is not the request's pending root token "
-                    f"{req.root_token}"
-                )
-            if enforce_limits:
-                if tree.num_nodes > self.limits.max_nodes:
-                    raise InputError(
-                        f"trees[{b}] has {tree.num_nodes} nodes; num_draft_tokens allows {self.limits.max_nodes}"
-                    )
-                if tree.max_depth > self.limits.max_depth:
-                    raise InputError(f"trees[{b}] has depth {tree.max_depth}; num_steps allows {self.limits.max_depth}")
-            last = req.seq_len + tree.max_depth
-            if last >= self.limits.max_positions:
-                raise InputError(
-                    f"trees[{b}] reaches position {last}; max_position_embeddings={self.limits.max_positions}"
-                )
+            if enforce_limits and tree.num_nodes > self.limits.max_nodes:
+                raise InputError(f"trees[{b}] has {tree.num_nodes} nodes; num_draft_tokens allows {self.limits.max_nodes}")
+        # the tensor checks run once over all trees packed together (a fixed number of ops)
+        sizes = [t.num_nodes for t in trees]
+        starts = list(itertools.accumulate([0] + sizes[:-1]))
+        tokens = torch.cat([t.tokens for t in trees])
+        v = self.model.vocab_size
+        if bool(((tokens < 0) | (tokens >= v)).any()):
+            for b, tree in enumerate(trees):
+                self._check_ids(tree.tokens, f"trees[{b}].tokens")
+        for b, (req, root) in enumerate(zip(requests, tokens[starts].tolist())):
+            if root != req.root_token:
+                raise InputError(f"trees[{b}] root token {root} is not the request's pending root token {req.root_token}")
+        for b, (req, depth) in enumerate(zip(requests, packed_max_depth(trees, sizes, starts))):
+            if enforce_limits and depth > self.limits.max_depth:
+                raise InputError(f"trees[{b}] has depth {depth}; num_steps allows {self.limits.max_depth}")
+            if req.seq_len + depth >= self.limits.max_positions:
+                raise InputError(f"trees[{b}] reaches position {req.seq_len + depth}; "
+                                 f"max_position_embeddings={self.limits.max_positions}")
 
     # ---------------------------------------------------------------- steps
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:

@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 import dsv4_tree as dt
 from dsv4_tree.model.tiny import random_model
 from dsv4_tree.reference import per_path_logits, relative_error
-from dsv4_tree.verify.commit import layer_summary
 
 # fp32 end to end; our gathers/matmuls sum in a different order than HF's dense masked
 # attention, so logits differ by rounding only (seen: ~1e-6 relative). 1e-4 leaves two orders
@@ -110,12 +109,6 @@ def check_against_oracle(model, engine, prompts, trees, label: str = "") -> floa
         assert err < REL_TOL, f"{label} request {b}: P={p.numel() - 1} N={tree.num_nodes} depth={tree.max_depth} rel_err={err:.3e}"
         worst = max(worst, err)
     return worst
-
-
-def snapshot(engine, req) -> list:
-    """A request's committed cache state: per layer, a dict name -> tensor (copies). The one
-    place tests read committed cache state."""
-    return [{k: v.clone() for k, v in layer_summary(lc).items()} for lc in req.cache.layers]
 
 
 def assert_weights_from_file(hf, path) -> None:

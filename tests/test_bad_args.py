@@ -42,7 +42,7 @@ def assert_same(eng, req, before):
     (dict(eos_token_id=1.5), "eos_token_id must be an int"),
     (dict(eos_token_id=[1, "a"]), "eos_token_id must be an int"),
     (dict(generator=3), "generator must be a torch.Generator"),
-    (dict(drafter=object()), "drafter must have a draft"),
+    (dict(drafter=object()), "drafter must be one of .* or an object with a draft"),
 ])
 def test_generate_arguments(setup, kwargs, match):
     _, eng, _ = setup

@@ -60,7 +60,7 @@ def test_state_after_generate_equals_serial_decode(reference):
         eng.commit([req], [acc], out)
         emitted += acc.emitted(tree)
         ref = serial_decode(eng, ids, emitted)
-        assert_same_state(req, ref, f"after {len(emitted)} tokens")
+        assert_same_state(eng, req, ref, f"after {len(emitted)} tokens")
     assert emitted == want[: len(emitted)]
 
 

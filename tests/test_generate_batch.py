@@ -45,7 +45,7 @@ def test_generate_batch_budgets_cut_inside_accepted_paths():
 
 def test_generate_batch_sampling_runs_and_respects_budgets():
     model = mtp_model()
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6, accept="sampling"))
     gen = torch.Generator().manual_seed(0)
     got = eng.generate_batch([prompt(10, 1), prompt(5, 2)], [6, 9], drafter="mtp", temperature=0.8,
                              generator=gen, progress=False)

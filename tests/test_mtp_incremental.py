@@ -11,8 +11,10 @@ from dsv4_tree.reference.mtp_draft import full_recompute_draft
 from dsv4_tree.train.corpus import heldout_prompt
 
 # Scores are products of up to num_steps fp32 probabilities; the incremental rows sum their
-# attention in another order than the dense HF layer, so they differ by rounding (seen: <1e-5).
-SCORE_TOL = 1e-5
+# attention in another order than the dense HF layer, so they differ by rounding. A
+# probability's relative error is about its logit's absolute error (~1e-6 at fp32 for logits
+# of magnitude ~10), compounded over the steps: seen up to 1.2e-5 at 5 steps.
+SCORE_TOL = 2e-5
 # Across commits the reference starts from a fresh prefill, whose target streams come from
 # GEMMs of another row count than the verify rows the drafter extends from: its inputs differ
 # by rounding too (~1e-7 relative), which small probabilities amplify (seen: 1.1e-5).

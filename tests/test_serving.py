@@ -14,7 +14,7 @@ def test_block_longer_than_a_page_matches_per_path():
     """C128 blocks span 8 pages of 16 slots: entries are addressed one per page."""
     model = dt.load_model(dt.tiny_checkpoint())
     eng = engine_for(model, page_size=16, nodes=24, steps=8)
-    p = prompt(300, 5)
+    p = prompt(300, 7)
     tree = random_tree(int(p[-1]), 24, 8, 3, 6)
     check_against_oracle(model, eng, [p], [tree], "page 16, ratio 128")
 
