@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
-
 import torch
 
 from .attention.backend import get_backend
@@ -14,6 +12,7 @@ from .hooks import validate_spec
 from .model.adapter import Model, load_model
 from .model.forward import RowsRun, run_rows
 from .model.graphs import GraphCache
+from .request import Request, VerifyOutput, check_live
 from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
@@ -22,13 +21,7 @@ from .tree.draft_tree import DraftTree, depth_by_pointer_jumping
 from .verify.accept import Acceptance, greedy_path
 from .verify.sampling import sample_path, target_probs
 
-_ids = itertools.count()
-
-
-def _check_live(requests) -> None:
-    for req in requests:
-        if getattr(req, "released", False):
-            raise StateError(f"request {req.request_id} was released (Engine.release); start a new one with prefill")
+__all__ = ["Engine", "Request", "VerifyOutput"]
 
 
 def packed_max_depth(trees, sizes, starts) -> list:
@@ -42,58 +35,6 @@ def packed_max_depth(trees, sizes, starts) -> list:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass
-class Request:
-    """One sequence's committed state. seq_len = P committed (KV-ready) positions; root_token
-    is the pending token at position P; row: its row in the engine's page tables. Only
-    Engine.prefill / commit / release change it."""
-
-    tokens: torch.Tensor  # [P] committed token ids
-    root_token: int
-    row: int
-    seq_len: int = 0
-    request_id: int = field(default_factory=lambda: next(_ids))
-    # target residual streams (before hc_head) of the last rows the latest prefill/commit added
-    # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
-    # what an MTP drafter extends its sliding-window cache with
-    new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
-    # (committed row, C4 layer) pairs whose indexer top-k boundary was a (near-)tie, counted on
-    # the model's device by prefill and commit; read it through committed_topk_ties
-    ties: torch.Tensor | None = field(default=None, repr=False)  # [] int64
-    released: bool = False  # set by Engine.release; a released request cannot be used again
-    scratch_owner: int = field(default=0, repr=False)  # verify whose rows sit in this request's draft slots
-    finalizer: object = field(default=None, repr=False, compare=False)  # returns the slots if never released
-
-
-    @property
-    def committed_topk_ties(self) -> int:
-        """Indexer top-k boundary ties in the committed rows (prefill and every commit), summed
-        over C4 layers: where our tie rule decided which entries a row attended. Reading it
-        synchronises with the device."""
-        return 0 if self.ties is None else int(self.ties)
-
-    def _add_ties(self, ties: torch.Tensor) -> None:
-        self.ties = ties if self.ties is None else self.ties + ties
-
-
-@dataclass
-class VerifyOutput:
-    """logits[b]: [N_b, vocab], row i = node i of trees[b]. The rest is for commit."""
-
-    logits: list
-    plan: VerifyPlan = field(repr=False)
-    run: RowsRun = field(repr=False)
-    request_ids: tuple = ()
-    seq_lens: tuple = ()
-    verify_id: int = 0
-
-    @property
-    def topk_ties(self) -> int:
-        """(Row, layer) pairs whose indexer top-k boundary was a (near-)tie (read from the device
-        on access)."""
-        return int(self.run.topk_ties[: self.plan.offsets[-1] + self.plan.num_nodes[-1]].sum())
 
 
 class Engine:
@@ -165,7 +106,7 @@ class Engine:
         for b, (req, tree) in enumerate(zip(requests, trees)):
             if not isinstance(req, Request):
                 raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
-            _check_live([req])
+            check_live([req])
             if not isinstance(tree, DraftTree):
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
             if enforce_limits and tree.num_nodes > self.limits.max_nodes:
@@ -242,7 +183,7 @@ class Engine:
     def plan(self, requests, trees) -> VerifyPlan:
         """Host half of verify: validate, map draft slots, build the batch's tables."""
         self._check_batch(requests, trees)
-        _check_live(requests)
+        check_live(requests)
         return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
@@ -352,7 +293,7 @@ class Engine:
                              f"{type(accs).__name__}")
         if len(requests) != len(accs):
             raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
-        _check_live(requests)
+        check_live(requests)
         if tuple(r.request_id for r in requests) != out.request_ids:
             raise InputError("requests differ from those of the verify call that produced the acceptances")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
@@ -380,7 +321,7 @@ class Engine:
             paths.append(path)
             staged.append((req, tree.tokens[path], acc.bonus, path.numel(), out.run.hidden[rows][-(self.model.window + 1):],
                            out.run.topk_ties[rows].sum()))
-        _check_live(requests)
+        check_live(requests)
         self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths)
         for req, toks, bonus, n, hidden, ties in staged:
             req._add_ties(ties)
@@ -395,7 +336,7 @@ class Engine:
         here and in every registered drafter. A released request cannot be used again."""
         if not isinstance(req, Request):
             raise InputError(f"release needs a dsv4_tree.Request, got a {type(req).__name__}")
-        _check_live([req])
+        check_live([req])
         req.released = True
         req.new_hidden = None
         req.finalizer()  # runs release_row once, and never again at garbage collection
@@ -404,5 +345,5 @@ class Engine:
 
     def state_summary(self, req: Request) -> list:
         """The request's committed state per layer in Hugging Face cache-field names (host copies)."""
-        _check_live([req])
+        check_live([req])
         return self.runtime.committed_view(req.row, req.seq_len)
