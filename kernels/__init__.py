@@ -1,12 +1,12 @@
 """Triton kernels of dsv4-tree, installed as `dsv4_tree.kernels` (never as a top-level
 `kernels` package: Hugging Face's `kernels` package owns that import name).
 
-Each kernel is paired with a torch reference in `dsv4_tree/reference/ops.py`:
-  sparse_mqa_sink  <-> ref_sparse_mqa_sink   (kernels/sparse_attention.py)
-  indexer_topk     <-> ref_indexer_topk      (kernels/indexer.py; scores in Triton, shared tie rule)
-  pool_entries     <-> ref_pool_entries      (kernels/compressor.py)
+Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
+  pool_entries           <-> ref_pool_entries           (kernels/compressor.py; reference in reference/ops.py)
   sparse_decode          <-> ref_sparse_decode          (kernels/sparse_decode.py; reference in reference/sparse_decode.py)
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
+The top-k selection after the indexer scores is torch in both backends (reference/ops.py
+select_topk_table), so both share one tie rule.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
 Importing this package imports nothing else: the kernel modules (and Triton) load on first
@@ -17,11 +17,8 @@ import importlib
 
 _MODULE_OF = {
     "indexer_gather_scores": "indexer_gather",
-    "indexer_scores": "indexer",
-    "indexer_topk": "indexer",
     "pool_entries": "compressor",
     "sparse_decode": "sparse_decode",
-    "sparse_mqa_sink": "sparse_attention",
 }
 
 __all__ = sorted(_MODULE_OF)

@@ -69,7 +69,7 @@ def test_several_requests_different_P_and_shapes():
 
 
 @pytest.mark.parametrize("topk", [1, 64])
-def test_indexer_topk_below_and_above_candidate_count(topk):
+def test_index_topk_below_and_above_candidate_count(topk):
     model = small_model(topk=topk)
     p = prompt(45, 11)  # 11 committed C4 entries, more in the tree
     tree = random_tree(int(p[-1]), 24, 8, 3, 12)

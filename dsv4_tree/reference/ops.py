@@ -1,9 +1,12 @@
 """Torch reference implementations of the verify hot spots (fp32-friendly, written for clarity).
 
-These are the torch backend itself and the yardstick for every kernel:
   ref_pool_entries      -- branch compressor: pool closing nodes' source rows into entries
-  ref_indexer_topk      -- lightning-indexer scores + deterministic top-k (tie rule below)
-  ref_sparse_mqa_sink   -- shared-KV MQA over per-row index lists into key tables (+ shared keys), sink
+                           (the torch backend's op, yardstick of kernels.pool_entries)
+  select_topk_table     -- the indexer's deterministic top-k over a per-row candidate table
+                           (tie rule below), shared by both backends
+  ref_sparse_mqa_sink   -- MQA over per-row index lists into key tables (+ shared keys), sink;
+                           the MTP drafter's attention
+The serving-layout ops (sparse decode, indexer scores over pools) are in sparse_decode.py.
 Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
 entries, then the row's branch entries root-to-node); a stable descending sort keeps that
 order among equal scores, so on a tie the earlier block wins.
@@ -34,53 +37,7 @@ def ref_pool_entries(
     return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
-                   chunk: int = 8192) -> torch.Tensor:
-    """sum_h weights[n,h] * relu(q[n,h] . keys[e]) * scale.  q [N,H,D], weights [N,H], keys [E,D] -> [N,E]
-
-    Keys are scored in chunks so the [N, H, chunk] intermediate stays bounded at long context."""
-    out = q.new_empty((q.shape[0], keys.shape[0]), dtype=torch.float32)
-    qf, wf = q.float(), weights.float().unsqueeze(-1)
-    for start in range(0, keys.shape[0], chunk):
-        k = keys[start : start + chunk].float()
-        scores = torch.relu(torch.matmul(qf, k.t().unsqueeze(0))) * scale  # [N, H, chunk]
-        out[:, start : start + k.shape[0]] = (scores * wf).sum(dim=1)
-    return out
-
-
 TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
-
-
-def select_topk(committed_scores: torch.Tensor, branch_scores: torch.Tensor, branch_visible: torch.Tensor,
-                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tie rule (shared by every backend): candidates in block order, stable descending sort.
-
-    committed_scores [N,C]; branch_scores [N,E] (all branch entries); branch_visible [N,V].
-    Returns (selected [N,k] ids into committed++branch, valid [N,k], tie [N] bool: rows whose
-    k-th and (k+1)-th scores are equal or within TIE_MARGIN relative, where the choice is ours
-    alone). Everything stays on the scores' device: counting ties never waits for it."""
-    n, c = committed_scores.shape
-    vis_ok = branch_visible >= 0
-    if branch_visible.shape[1] and branch_scores.shape[1]:
-        sb = torch.gather(branch_scores, 1, branch_visible.clamp(min=0))
-    else:
-        sb = committed_scores.new_zeros((n, branch_visible.shape[1]))
-    sb = sb.masked_fill(~vis_ok, float("-inf"))
-    scores = torch.cat([committed_scores, sb], dim=1)  # [N, C + V]
-    ids = torch.cat(
-        [torch.arange(c, device=scores.device).expand(n, c), c + branch_visible.clamp(min=0)], dim=1
-    )
-    k = min(topk, scores.shape[1])
-    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    selected = torch.gather(ids, 1, order[:, :k])
-    valid = torch.isfinite(order_scores[:, :k])
-    tie = torch.zeros(n, dtype=torch.bool, device=scores.device)
-    if 0 < k < scores.shape[1]:
-        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        # a boundary within rounding of a tie: another implementation may choose differently
-        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        tie = ((edge - nxt) <= gap_limit) & torch.isfinite(nxt)
-    return selected, valid, tie
 
 
 def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
@@ -102,27 +59,6 @@ def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
         gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
         ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
     return selected, valid.sum(1), ties
-
-
-def ref_indexer_topk(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    committed_keys: torch.Tensor,
-    branch_keys: torch.Tensor,
-    branch_visible: torch.Tensor,
-    topk: int,
-    scale: float,
-    scores_fn=indexer_scores,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k compressed entries per row over committed + the row's own branch entries.
-
-    q [N,H,D]; weights [N,H]; committed_keys [C,D] (every row sees all); branch_keys [E,D];
-    branch_visible [N,V] branch entry ids the row sees, in block order, -1 = none.
-    Returns (selected [N,k] ids into committed++branch, valid [N,k] bool, tie [N] bool: the
-    row's top-k boundary is a (near-)tie), k = min(topk, C + V)."""
-    sc = scores_fn(q, weights, committed_keys, scale)  # [N, C]
-    sb = scores_fn(q, weights, branch_keys, scale)  # [N, E]
-    return select_topk(sc, sb, branch_visible, topk)
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
