@@ -29,7 +29,8 @@ class SpecConfig:
     kv_cache_dtype:    storage of K=V rows and compressed entries in the pools: "auto" (the
                        model's dtype, exact), "bfloat16", "fp8_e4m3" (DeepSeek-V4's record).
     page_size:         slots per page of every pool (SGLang's 256); a power of two.
-    max_requests:      live requests the pools are sized for.
+    max_requests:      live requests the pools are sized for (every pool is allocated when the
+                       engine is built: ~35 MB for the tiny checkpoints at the defaults).
     max_total_tokens:  committed + draft positions over all live requests the pools hold
                        (None: min(max_requests * max_position_embeddings, 2**18)).
     cuda_graph_max_bs: verify batches of at most this many requests are padded to static-shape
@@ -46,7 +47,7 @@ class SpecConfig:
     prefill_chunk: int = 256
     kv_cache_dtype: str = "auto"
     page_size: int = 256
-    max_requests: int = 64
+    max_requests: int = 16
     max_total_tokens: int | None = None
     cuda_graph_max_bs: int = 0
 

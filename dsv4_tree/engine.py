@@ -273,6 +273,9 @@ class Engine:
             raise InputError("requests differ from those of the verify call that produced `out`")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
             raise StateError("a request was committed since this verify ran; verify again")
+        for b, r in enumerate(requests):
+            if r.scratch_owner != out.verify_id:
+                raise StateError(f"requests[{b}] was verified again since this output; use the newer one")
         for b, (tree, planned) in enumerate(zip(trees, out.plan.trees)):
             if tree is not planned and not (
                 torch.equal(tree.tokens, planned.tokens) and torch.equal(tree.parents, planned.parents)

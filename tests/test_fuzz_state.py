@@ -58,8 +58,11 @@ def same_state(a, b, tol=0.0) -> str | None:
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
+        # pools sized for this machine's few requests (page 16): hypothesis may keep every
+        # example's machine alive until the test ends, and each holds its engine's pools
         self.eng = dt.Engine(tiny_model(), dt.SpecConfig(eagle_topk=SHAPE.topk, num_steps=SHAPE.num_steps,
-                                                         num_draft_tokens=SHAPE.num_draft_tokens))
+                                                         num_draft_tokens=SHAPE.num_draft_tokens, page_size=16,
+                                                         max_requests=MAX_REQUESTS + 2, prefill_chunk=64))
         self.vocab = self.eng.model.vocab_size
         self.reqs: list = []
         self.rounds: list = []
@@ -67,7 +70,10 @@ class EngineMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
     def stale(self, rnd: Round) -> bool:
-        return tuple(r.seq_len for r in rnd.reqs) != rnd.out.seq_lens
+        """Committed since, or verified again since (a request's draft slots hold only its
+        latest verify's rows): commit must refuse it."""
+        return (tuple(r.seq_len for r in rnd.reqs) != rnd.out.seq_lens
+                or any(r.scratch_owner != rnd.out.verify_id for r in rnd.reqs))
 
     def refused(self, call, label):
         """`call` must raise a dsv4_tree error and leave every request bit for bit unchanged."""
@@ -88,7 +94,7 @@ class EngineMachine(RuleBasedStateMachine):
     def first_request(self, length, seed):
         self.prefill(length, seed)
 
-    @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)
+    @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)  # the pools hold MAX_REQUESTS + 2
     @rule(length=st.one_of(st.integers(1, 40), st.integers(124, 132)), seed=st.integers(0, 2**31 - 1))
     def prefill(self, length, seed):
         ids = torch.randint(2, self.vocab, (length,), generator=torch.Generator().manual_seed(seed))
@@ -201,10 +207,11 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.reqs) >= 2)  # keep one request: every other rule needs one
     @rule(data=st.data())
     def release(self, data):
-        """Engine keeps no per-request registry: releasing is dropping every reference."""
+        """Engine.release returns the request's slots; any later use of it is refused."""
         req = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
         self.rounds = [r for r in self.rounds if all(x is not req for x in r.reqs)]
         self.checked.pop(req.request_id, None)
+        self.eng.release(req)
 
     # ------------------------------------------------------------ invariant
     @invariant()
@@ -216,6 +223,7 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             fresh = self.eng.prefill(torch.cat([req.tokens, torch.tensor([req.root_token])]))
             diff = same_state(now, full_state(self.eng, fresh), STATE_TOL)
+            self.eng.release(fresh)
             assert diff is None, f"request {req.request_id} (P={req.seq_len}) differs from serial decoding: {diff}"
             self.checked[req.request_id] = now
 

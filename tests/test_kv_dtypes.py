@@ -28,19 +28,23 @@ def tiny():
     return dt.load_model(dt.tiny_checkpoint())
 
 
+def verified_case(kv, length, seed, page_size=16):
+    """(engine, prompt, request, tree, verify output): a 24-node tree verified over kv pools."""
+    eng = dt.Engine(tiny(), dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv,
+                                          page_size=page_size))
+    p = prompt(length, seed)
+    req = eng.prefill(p)
+    tree = random_tree(req.root_token, 24, 8, 3, seed + 2)
+    return eng, p, req, tree, eng.verify([req], [tree])
+
+
 def stored(eng, out, rows):
     return [lp.swa.record_bytes(out.plan.out_loc[rows]) for lp in eng.runtime.pools]
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
 def test_tree_nodes_equal_chain_verify_of_their_path(kv):
-    model = tiny()
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv,
-                                         page_size=16))
-    p = prompt(300, 3)
-    req = eng.prefill(p)
-    tree = random_tree(req.root_token, 24, 8, 3, 5)
-    out = eng.verify([req], [tree])
+    eng, _, req, tree, out = verified_case(kv, 300, 3)
     assert out.topk_ties == 0
     tree_bytes = stored(eng, out, torch.arange(tree.num_nodes))
     flips = total = 0
@@ -58,13 +62,8 @@ def test_tree_nodes_equal_chain_verify_of_their_path(kv):
 
 @pytest.mark.parametrize("kv", ["auto", "bfloat16", "fp8_e4m3"])
 def test_error_against_fp32_hugging_face_per_dtype(kv):
-    model = tiny()
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv))
-    p = prompt(300, 3)
-    req = eng.prefill(p)
-    tree = random_tree(req.root_token, 24, 8, 3, 5)
-    out = eng.verify([req], [tree])
-    err = relative_error(out.logits[0], per_path_logits(model, p[:-1], tree))
+    _, p, _, tree, out = verified_case(kv, 300, 3, page_size=256)
+    err = relative_error(out.logits[0], per_path_logits(tiny(), p[:-1], tree))
     print(f"kv_cache_dtype={kv}: worst relative error vs fp32 HF per-path = {err:.2e}")
     assert err <= HF_BOUND[kv], f"{kv=}: {err:.2e} > {HF_BOUND[kv]:.0e}"
     if kv != "auto":
@@ -95,12 +94,7 @@ def test_commit_equals_serial_decode_in_stored_bytes(kv):
     stores: identical bytes, except stored codes flipped by last-bit differences of rows
     computed in GEMMs of other shapes (counted; each at most one quantum of its value)."""
     model = tiny()
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype=kv,
-                                         page_size=16))
-    p = prompt(140, 11)
-    req = eng.prefill(p)
-    tree = random_tree(req.root_token, 24, 8, 3, 12)
-    out = eng.verify([req], [tree])
+    eng, p, req, tree, out = verified_case(kv, 140, 10)
     node = int(tree.depth.argmax())
     path = tree.path[node][tree.path[node] >= 0]
     eng.commit([req], [dt.Acceptance(tuple(path.tolist()), 9, req.request_id, out.verify_id)], out)
