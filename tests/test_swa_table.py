@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4_tree.diagnostics import forbid_host_sync
 from dsv4_tree.errors import InputError
 from dsv4_tree.serving import tree_swa_page_indices
-from no_host_sync import NoHostSync
 
 
 def sglang_chain_rule(req_to_token, full_to_swa_mapping, req_pool_indices_repeated, seq_lens_casual,
@@ -143,7 +143,7 @@ def test_builder_does_not_synchronise_and_checks_inputs():
     req_to_token, mapping = paged_tables([40, 40], 16, g)
     args = (req_to_token, mapping, torch.tensor([1, 0]), torch.tensor([30, 3]))
     parents = random_parents(2, 10, g)
-    with NoHostSync():
+    with forbid_host_sync():
         out = tree_swa_page_indices(*args, parents, 8)
     assert out.shape == (20, 64)
     with pytest.raises(InputError, match="parents"):
