@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from ..errors import CheckpointError
 from .checkpoint_files import INDEX_FILE, release_complete  # noqa: F401  (release_complete: re-export)
 from .quant import FP8_BLOCK, FP4_GROUP, fp8_block_shape_ok, quantize_fp4, quantize_fp8_blocks
 from .release_names import release_state_dict
+from .tiny import replaced_directory
 
 SCALE_SUFFIX = "_scale_inv"  # `w.weight` -> `w.weight_scale_inv`
 KEEP_DTYPE = torch.bfloat16
@@ -98,9 +97,7 @@ def write_release(directory, model, mtp=None) -> Path:
     parts = [dict() for _ in shards]
     for name in sorted(stored):
         parts[_shard_of(name, num_layers)][name] = stored[name].contiguous()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
-    try:
+    with replaced_directory(directory) as tmp:
         for fname, part in zip(shards, parts):
             save_file(part, str(tmp / fname), metadata={"format": "pt"})
         total = sum(t.numel() * t.element_size() for t in stored.values())
@@ -112,10 +109,4 @@ def write_release(directory, model, mtp=None) -> Path:
                    quantization_config=quantization_config(not_converted))
         cfg.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return directory

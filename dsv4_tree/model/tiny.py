@@ -6,6 +6,7 @@ biases, hash routing table and router correction bias get non-trivial random val
 there would hide bugs in exactly the code tree verify changes."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -138,6 +139,22 @@ def random_mtp(config: DeepseekV4Config, seed: int = TINY_SEED):
     return block
 
 
+@contextlib.contextmanager
+def replaced_directory(directory: Path):
+    """Yield a fresh folder beside `directory`; when the block succeeds it replaces `directory`
+    whole (a half-written checkpoint is never left under the final name)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
+    try:
+        yield tmp
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, seed: int = TINY_SEED,
                             with_mtp: bool = True) -> Path:
     """Write a seeded random checkpoint (config.json + model.safetensors, with mtp.* tensors
@@ -147,18 +164,10 @@ def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, s
     directory = Path(directory)
     config = config or tiny_config()
     model = random_model(config, seed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
-    try:
+    with replaced_directory(directory) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if with_mtp:
             add_mtp_to_checkpoint(tmp, random_mtp(config, seed))
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return directory
 
 
