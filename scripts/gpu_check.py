@@ -1,7 +1,7 @@
 """Run the GPU checks as subprocesses, each under a time limit, and write one report.
 
 Steps, in priority order (a step that would start after --budget-s is spent is marked skipped):
-  gpu_tests          pytest -m gpu with DSV4_TREE_GPU=1
+  gpu_tests          pytest -m 'gpu or on_device' with DSV4_TREE_GPU=1 (kernels, device flow, CUDA graphs)
   bench_verify_64K   benchmarks/bench_verify.py, bf16 (+ --kv-cache-dtype fp8_e4m3 where supported)
   bench_batch        benchmarks/bench_batch.py, bf16
   cuda_graph         bench_batch eager vs --cuda-graph-max-bs 64 (where SpecConfig has the field)
@@ -29,6 +29,7 @@ class Step:
     cmd: list
     limit_s: float
     env: dict = dataclasses.field(default_factory=dict)
+    cwd: str = str(ROOT)  # pytest runs elsewhere: `python -m` would import dsv4_tree from the checkout
     status: str = "pending"  # then: ok | failed | timeout | skipped | not available
     seconds: float = 0.0
     summary: str = ""
@@ -48,7 +49,7 @@ def run(step: Step, budget_end: float, log_dir: Path) -> None:
         return
     t = time.monotonic()
     try:
-        proc = subprocess.run(step.cmd, cwd=ROOT, env={**os.environ, **step.env}, capture_output=True, text=True,
+        proc = subprocess.run(step.cmd, cwd=step.cwd, env={**os.environ, **step.env}, capture_output=True, text=True,
                               timeout=limit)
         stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         step.status = "ok" if rc == 0 else "failed"
@@ -98,8 +99,10 @@ def has_graph_field(py: str) -> bool:
 def plan_steps(args, out: Path) -> list:
     py, dry = args.python, args.dry_run
     dev = ["--device", "cpu", "--dtype", "float32"] if dry else ["--device", "cuda", "--dtype", "bfloat16"]
-    tests = Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
-                 args.limit_tests, {} if dry else {"DSV4_TREE_GPU": "1"})
+    # the gpu-marked tests and every test on the `device` fixture (kernels, precision, device flow)
+    tests = Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu or on_device", "-q", "-rs", "-p", "no:cacheprovider",
+                               str(ROOT / "tests")], args.limit_tests, {} if dry else {"DSV4_TREE_GPU": "1"},
+                 cwd=str(out))
     fp8 = ["--kv-cache-dtype", "fp8_e4m3"] if verify_supports("--kv-cache-dtype", py) else []
     contexts = [("4K", 4096)] if dry else [("64K", 65536), ("256K", 262144), ("1M", 1 << 20)]
     size = ["--quick", "--nodes", "4", "--reps", "1"] if dry else ["--nodes", "8,16", "--reps", "3"]

@@ -16,11 +16,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (runs with DSV4_TREE_GPU=1)")
+    config.addinivalue_line("markers", "on_device: uses the `device` fixture (added at collection; "
+                                       "scripts/gpu_check runs `-m 'gpu or on_device'`)")
     if GPU_MODE and not torch.cuda.is_available():
         raise pytest.UsageError("DSV4_TREE_GPU=1 but torch sees no CUDA device")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.on_device)
     # the one place a test is skipped for want of a GPU: the `gpu` marker outside GPU mode
     if GPU_MODE:
         return

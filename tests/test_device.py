@@ -181,3 +181,34 @@ def test_cuda_prefill_verify_accept_commit_match_the_oracle(device):
             for got, want in zip(snapshot(engine, r), snapshot(cpu_engine, c)):
                 for name in want:
                     assert torch.allclose(got[name].cpu().float(), want[name].float(), atol=1e-5), name
+
+
+def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
+    from types import SimpleNamespace
+
+    from dsv4_tree.model.forward import rows_experts
+
+    def experts(device, dtype):
+        return SimpleNamespace(gate_up_proj=SimpleNamespace(device=torch.device(device), dtype=dtype))
+
+    # torch's CUDA grouped GEMM is native for bf16; for other dtypes it reads offsets on the host
+    assert rows_experts(experts("cuda", torch.bfloat16)) == "grouped_mm"
+    assert rows_experts(experts("cuda", torch.float32)) == "batched_mm"
+    assert rows_experts(experts("cuda", torch.float16)) == "batched_mm"
+    assert rows_experts(experts("cpu", torch.float32)) == "grouped_mm"
+    assert rows_experts(small_model().hf.model.layers[0].mlp.experts) == "grouped_mm"
+
+
+def test_batched_and_grouped_experts_give_the_same_verify():
+    model = dt.load_model(small_model().hf)
+    eng = dt.Engine(model, SPEC)
+    p = prompt(40, 3)
+    tree = random_tree(int(p[-1]), 16, 8, 4, seed=5)
+    grouped = eng.verify([eng.prefill(p)], [tree]).logits[0]
+    model.hf.set_experts_implementation("batched_mm")  # a caller's choice is kept by run_rows
+    try:
+        eng2 = dt.Engine(model, SPEC)
+        batched = eng2.verify([eng2.prefill(p)], [tree]).logits[0]
+    finally:
+        model.hf.set_experts_implementation("eager")
+    assert relative_error(batched, grouped) < REL_TOL

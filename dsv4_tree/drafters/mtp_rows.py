@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.forward import experts_implementation, rows_experts
 from ..model.hf_bindings import apply_rotary_pos_emb
 from ..reference.ops import ref_sparse_mqa_sink
 
@@ -79,7 +80,9 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
     h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
     post, comb, collapsed = layer.ffn_hc(h)
-    mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids.unsqueeze(0))
+    experts = layer.mlp.experts
+    with experts_implementation(experts.config, rows_experts(experts)):
+        mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids.unsqueeze(0))
     h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
     logits = model.hf.lm_head(mtp.norm(mtp.hc_head(h)))[0]
     return MtpRows(logits, h[0], kv)

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import CheckpointError, InputError
 from .hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
-from .hf_load import load_hf_directory
+from .hf_load import QUANTIZED_MODES, load_hf_directory
 
 
 class Model:
@@ -63,16 +63,22 @@ class Model:
         return out
 
 
-def load_model(source, device=None, dtype=None) -> Model:
+def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
     layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
     Never touches the network.
 
     device / dtype: None keeps a wrapped module's own (a directory loads as fp32 on the CPU);
-    given, a wrapped module is moved in place (nn.Module.to)."""
+    given, a wrapped module is moved in place (nn.Module.to). quantized: for an FP8 / FP4
+    release checkpoint, "dequantize" (default, any device) or "keep" (transformers' FP8 modules
+    on CUDA; needs the `kernels` package, see hf_load.py)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InputError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if quantized not in QUANTIZED_MODES:
+        raise InputError(f"quantized must be one of {QUANTIZED_MODES}, got {quantized!r}")
     if isinstance(source, (Model, DeepseekV4ForCausalLM)):
+        if quantized != "dequantize":
+            raise InputError("quantized applies when loading a checkpoint directory, not to a built model")
         moves = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         if isinstance(source, Model):
             if moves:
@@ -82,6 +88,6 @@ def load_model(source, device=None, dtype=None) -> Model:
     if not isinstance(source, (str, Path)):
         raise CheckpointError(f"source must be a directory or a DeepseekV4ForCausalLM, got {type(source).__name__}")
     path = Path(source)
-    model = Model(load_hf_directory(path, device or "cpu", dtype or torch.float32))
+    model = Model(load_hf_directory(path, device or "cpu", dtype or torch.float32, quantized))
     model.source = path
     return model

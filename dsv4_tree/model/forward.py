@@ -44,39 +44,47 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
     return h, ties
 
 
+def rows_experts(experts) -> str:
+    """The routed-experts implementation for packed rows on `experts`' device and dtype.
+    "grouped_mm" sorts rows by expert and runs one grouped GEMM with offsets on the device: no
+    host synchronisation and no data-dependent shapes, unlike HF's default eager loop over hit
+    experts (`nonzero()`). torch's CUDA grouped GEMM is native for bf16 only; for other dtypes it
+    reads the offsets on the host, which breaks CUDA-graph capture and syncs every layer, so
+    there "batched_mm" is used: it gathers each row's expert weights (also sync-free, per-row
+    results independent of the batch; its cost grows with rows x expert size)."""
+    w = experts.gate_up_proj
+    return "batched_mm" if w.device.type == "cuda" and w.dtype != torch.bfloat16 else "grouped_mm"
+
+
 @contextlib.contextmanager
-def experts_implementation(model, name: str):
-    """Run the routed experts with transformers' `name` implementation inside the block,
-    restoring it after. The default "grouped_mm" sorts rows by expert and runs one grouped GEMM
-    (offsets stay on the device): no host synchronisation and no data-dependent shapes, unlike
-    HF's default eager loop over hit experts (`nonzero()`); "batched_mm" gathers each row's
-    expert weights (also sync-free; per-row results independent of the batch, but its cost
-    grows with rows x expert size). Only HF's default (eager) is replaced: an implementation the
+def experts_implementation(config, name: str):
+    """Run the routed experts reading `config` with transformers' `name` implementation inside
+    the block, restoring it after. Only HF's default (eager) is replaced: an implementation the
     caller set on the model stays."""
-    cfg = model.hf.config
-    before = cfg._experts_implementation
+    before = config._experts_implementation
     if before not in (None, "eager"):  # the caller chose an implementation: keep it
         yield
         return
-    cfg._experts_implementation = name
+    config._experts_implementation = name
     try:
         yield
     finally:
-        cfg._experts_implementation = before
+        config._experts_implementation = before
 
 
 @torch.no_grad()
 def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None,
-             experts: str = "grouped_mm") -> RowsRun:
+             experts: str | None = None) -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
-    logit_rows: packed rows to keep logits for (device tensor); experts: see experts_implementation."""
+    logit_rows: packed rows to keep logits for (device tensor); experts: a transformers experts implementation (default: rows_experts)."""
     hf = model.hf.model
     ids = plan.input_ids.unsqueeze(0)
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
     ties = torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
-    with experts_implementation(model, experts):
+    experts = experts or rows_experts(hf.layers[0].mlp.experts)
+    with experts_implementation(model.hf.config, experts):
         for layer, layer_pools in zip(hf.layers, pools):
             h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
             if n_ties is not None:

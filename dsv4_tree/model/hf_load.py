@@ -2,11 +2,14 @@
 
 Dense Hugging Face layout and the release format (DeepSeek names, FP8 block-scaled linears, FP4
 experts, shards) both go through `from_pretrained`; transformers' conversion mapping renames
-the release keys. A quantised checkpoint on a CPU device is dequantised while loading
-(FineGrainedFP8Config(dequantize=True), also when a GPU exists); on a CUDA device transformers'
-FP8 modules are kept and the weights load straight onto the device. Tensors the checkpoint stores
-in higher precision (bf16 norms, embeddings, ...) are then cast to the requested dtype; FP8 / FP4
-weights and their scales are left as they are."""
+the release keys. A quantised checkpoint is dequantised while loading by default
+(quantized="dequantize": FineGrainedFP8Config(dequantize=True), on any device). quantized="keep"
+keeps transformers' FP8 modules on a CUDA device; their GEMMs come from transformers'
+finegrained-fp8 kernel, which transformers loads through the `kernels` package (a kernel hub
+build): without that package the modules cannot run, so "keep" is refused up front instead of
+failing at the first forward. Tensors the checkpoint stores in higher precision (bf16 norms,
+embeddings, ...) are then cast to the requested dtype; kept FP8 / FP4 weights and their scales
+are left as they are."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +20,7 @@ from ..errors import CheckpointError, InputError
 from .checkpoint_files import quantization, read_config, shard_files
 from .hf_bindings import DeepseekV4ForCausalLM
 
+QUANTIZED_MODES = ("dequantize", "keep")
 QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
 
 
@@ -32,8 +36,24 @@ def cast_dense(hf, dtype: torch.dtype) -> None:
                 t.data = t.data.to(dtype)
 
 
-def load_hf_directory(path: Path, device, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-    """Checks the directory (naming the file or key at fault), then loads it with transformers."""
+def check_keep_fp8(device) -> None:
+    """quantized="keep" needs a CUDA device and transformers' FP8 kernel (the `kernels` package)."""
+    from transformers.utils import is_kernels_available
+
+    if torch.device(device).type != "cuda":
+        raise InputError(f"quantized='keep' keeps FP8 modules on a CUDA device; device is {device!r} "
+                         "(use quantized='dequantize')")
+    if not is_kernels_available():
+        raise CheckpointError("quantized='keep' runs transformers' FP8 modules, whose GEMMs need the `kernels` "
+                              "package (transformers' finegrained-fp8 kernel build); it is not installed. "
+                              "Install it, or load with quantized='dequantize'")
+
+
+def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "dequantize") -> DeepseekV4ForCausalLM:
+    """Checks the directory (naming the file or key at fault), then loads it with transformers.
+    quantized: "dequantize" (FP8 / FP4 weights become `dtype`) or "keep" (see the module doc)."""
+    if quantized not in QUANTIZED_MODES:
+        raise InputError(f"quantized must be one of {QUANTIZED_MODES}, got {quantized!r}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {path}")
     cfg_file = path / "config.json"
@@ -50,11 +70,12 @@ def load_hf_directory(path: Path, device, dtype: torch.dtype) -> DeepseekV4ForCa
     if quant is not None:
         from transformers import FineGrainedFP8Config
 
-        on_gpu = torch.device(device).type == "cuda"
-        kwargs["quantization_config"] = FineGrainedFP8Config(
-            dequantize=not on_gpu, modules_to_not_convert=quant.get("modules_to_not_convert"))
-        if on_gpu:
+        keep = quantized == "keep"
+        if keep:
+            check_keep_fp8(device)
             kwargs["device_map"] = str(torch.device(device))
+        kwargs["quantization_config"] = FineGrainedFP8Config(
+            dequantize=not keep, modules_to_not_convert=quant.get("modules_to_not_convert"))
     hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **kwargs)
     if quant is not None:
         cast_dense(hf, dtype)
