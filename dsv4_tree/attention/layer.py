@@ -19,8 +19,8 @@ from .compress import branch_entries
 class RowRope:
     """cos/sin computed once per verify: for rows ("main"/"compress") and block starts."""
 
-    rows: dict  # rope label -> (cos, sin) [1, T, rope_dim/2]
-    blocks: dict  # ratio -> (cos, sin) [1, E, rope_dim/2]
+    rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (model/rope.py)
+    blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]
 
 
 def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:

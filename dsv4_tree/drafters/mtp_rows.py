@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.forward import experts_implementation, rows_experts
-from ..model.hf_bindings import apply_rotary_pos_emb
+from ..model.hc import hc_collapse, hc_weights
+from ..model.rope import apply_rope, rope_pairs
 from ..reference.ops import ref_sparse_mqa_sink
 
 
@@ -31,11 +32,12 @@ class MtpRows:
 
 
 def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor):
-    """ids [T], hidden_in [T, hc, d], positions [T] -> (h [1, T, hc, d], cos, sin [1, T, rope/2])."""
+    """ids [T], hidden_in [T, hc, d], positions [T] -> (h [1, T, hc, d], RoPE pair tables cos, sin
+    [1, T, rope/2, 2] (model/rope.py))."""
     emb = model.hf.model.embed_tokens(ids.unsqueeze(0))  # [1, T, d]
     h = mtp.inputs(emb[0], hidden_in)
     label = mtp.decoder.self_attn.rope_layer_type
-    cos, sin = model.hf.model.rotary_emb(emb, position_ids=positions.unsqueeze(0), layer_type=label)
+    cos, sin = rope_pairs(*model.hf.model.rotary_emb(emb, position_ids=positions.unsqueeze(0), layer_type=label))
     return h, cos, sin
 
 
@@ -43,7 +45,7 @@ def _kv(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """K=V rows of layer inputs x [1, T, hidden] -> [T, head_dim]."""
     t, d = x.shape[1], attn.head_dim
     kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
-    return apply_rotary_pos_emb(kv, cos, sin)[0, 0]
+    return apply_rope(kv, cos, sin)[0, 0]
 
 
 @torch.no_grad()
@@ -52,7 +54,7 @@ def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: t
     depends on its own input alone."""
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
     layer = mtp.decoder
-    _, _, collapsed = layer.attn_hc(h)
+    collapsed = hc_collapse(layer.attn_hc, h)
     return _kv(layer.self_attn, layer.input_layernorm(collapsed), cos, sin)
 
 
@@ -68,18 +70,18 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
     dtype = h.dtype
-    post, comb, collapsed = layer.attn_hc(h)
+    post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = layer.input_layernorm(collapsed)
     q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
-    q = apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
+    q = apply_rope(attn.q_b_norm(q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
     kv = _kv(attn, x, cos, sin)
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
     out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
-    out = apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d]
+    out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d]
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
     h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
-    post, comb, collapsed = layer.ffn_hc(h)
+    post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     experts = layer.mlp.experts
     with experts_implementation(experts.config, rows_experts(experts)):
         mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids.unsqueeze(0))

@@ -9,7 +9,8 @@ import torch
 
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
-from .hf_bindings import apply_rotary_pos_emb
+from .hc import hc_weights
+from .rope import apply_rope, rope_pairs
 
 
 @dataclass
@@ -22,11 +23,11 @@ class RowsRun:
 
 
 def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
-    """cos/sin for every row and every closed block's start, once per verify."""
+    """RoPE pair tables (model/rope.py) for every row and every closed block's start, once per verify."""
     rot = model.hf.model.rotary_emb
     pos = plan.positions.unsqueeze(0)
-    rows = {label: rot(like, position_ids=pos, layer_type=label) for label in ("main", "compress")}
-    blocks = {m: rot(like, position_ids=ct.block_start.unsqueeze(0), layer_type="compress")
+    rows = {label: rope_pairs(*rot(like, position_ids=pos, layer_type=label)) for label in ("main", "compress")}
+    blocks = {m: rope_pairs(*rot(like, position_ids=ct.block_start.unsqueeze(0), layer_type="compress"))
               for m, ct in plan.compress.items()}
     return RowRope(rows, blocks)
 
@@ -34,11 +35,11 @@ def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
 def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, ids):
     """One DeepseekV4DecoderLayer (mHC, attention, MoE) over packed rows. h [1, T, hc, hidden]."""
     dtype = h.dtype
-    post, comb, collapsed = layer.attn_hc(h)
+    post, comb, collapsed = hc_weights(layer.attn_hc, h)
     attn_out, ties = attention_rows(layer.self_attn, layer.input_layernorm(collapsed), plan, pools, rope, ops,
-                                    apply_rotary_pos_emb)
+                                    apply_rope)
     h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
-    post, comb, collapsed = layer.ffn_hc(h)
+    post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
     h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
     return h, ties

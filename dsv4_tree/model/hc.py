@@ -1,0 +1,87 @@
+"""The mHC (hyper-connection) weights of a decoder layer, in fewer ops than the module's forward.
+
+transformers' `DeepseekV4HyperConnection.forward` computes, per row, pre / post weights and a
+doubly-stochastic `comb` matrix made by `hc_sinkhorn_iters` Sinkhorn-Knopp iterations. Written
+as tensor ops, each iteration is six tiny ops on an [hc, hc] matrix: at 20 iterations and two
+mHC blocks per layer that is about 40% of all ops of a decode step, each paying its dispatch
+cost. `hc_weights` computes the same numbers (same formulas, same order, fp32):
+
+* one multiply-add for the three affine maps (the three scales gathered into one vector) and
+  one sigmoid for pre and post;
+* the Sinkhorn loop on the host through numpy when the tensor is a CPU tensor outside autograd
+  (float32 sums and divisions like torch's; no device read: the data already lives there);
+  elsewhere the torch loop (`sinkhorn_torch`, also the reference the tests compare against).
+
+`hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
+only the block input (the MTP drafter's draft-extend rows)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_SCALE_INDEX: dict = {}
+
+
+def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
+    """[0]*hc + [1]*hc + [2]*hc*hc: picks the pre / post / comb scale for each weight column."""
+    key = (hc, device)
+    if key not in _SCALE_INDEX:
+        _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+    return _SCALE_INDEX[key]
+
+
+def sinkhorn_torch(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """transformers' loop: one column normalisation, then iters-1 (row, column) pairs."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def sinkhorn_numpy(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The same loop on a CPU float32 tensor through numpy (fewer, cheaper calls)."""
+    c = comb.numpy()
+    e = np.float32(eps)
+    c = c / (c.sum(axis=-2, keepdims=True) + e)
+    for _ in range(iters - 1):
+        c /= c.sum(axis=-1, keepdims=True) + e
+        c /= c.sum(axis=-2, keepdims=True) + e
+    return torch.from_numpy(c)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    if comb.device.type == "cpu" and comb.dtype == torch.float32 and not torch.is_grad_enabled():
+        return sinkhorn_numpy(comb, iters, eps)
+    return sinkhorn_torch(comb, iters, eps)
+
+
+def _mix(module, streams: torch.Tensor) -> torch.Tensor:
+    """Normed, flattened streams [B, S, hc*d] through the module's projection -> [B, S, (2+hc)*hc]."""
+    b, s = streams.shape[:2]
+    flat = module.input_norm(streams.view(b, s, -1).float())
+    return F.linear(flat, module.fn.float())
+
+
+def hc_weights(module, streams: torch.Tensor):
+    """DeepseekV4HyperConnection(streams) -> (post [B, S, hc], comb [B, S, hc, hc], collapsed [B, S, d])."""
+    hc = module.hc_mult
+    b, s = streams.shape[:2]
+    scale = module.scale[_scale_index(hc, module.scale.device)]
+    z = _mix(module, streams) * scale + module.base
+    gates = torch.sigmoid(z[..., : 2 * hc])
+    pre = gates[..., :hc] + module.hc_eps
+    post = 2 * gates[..., hc:]
+    comb = torch.softmax(z[..., 2 * hc :].view(b, s, hc, hc), dim=-1) + module.hc_eps
+    comb = sinkhorn(comb, module.hc_sinkhorn_iters, module.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_collapse(module, streams: torch.Tensor) -> torch.Tensor:
+    """Only the collapsed block input of hc_weights (no post, no comb)."""
+    hc = module.hc_mult
+    z = _mix(module, streams)[..., :hc] * module.scale[0] + module.base[:hc]
+    pre = torch.sigmoid(z) + module.hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

@@ -1,0 +1,61 @@
+"""Our mHC weights (model/hc.py) against transformers' DeepseekV4HyperConnection: the same numbers
+(to the last bit or two) with fewer ops, on the numpy Sinkhorn path (CPU, no autograd) and on the torch path."""
+import pytest
+import torch
+
+from dsv4_tree.diagnostics import OpCounter
+from dsv4_tree.model.hc import hc_collapse, hc_weights, sinkhorn_numpy, sinkhorn_torch
+from dsv4_tree.model.tiny import random_model, tiny_config
+
+
+def hc_module(hc_mult: int, seed: int):
+    torch.manual_seed(seed)
+    hf = random_model(tiny_config(hc_mult=hc_mult))
+    layer = hf.model.layers[1]
+    with torch.no_grad():  # spread the gates so every weight matters
+        for m in (layer.attn_hc, layer.ffn_hc):
+            m.fn.normal_(0, 0.5)
+            m.base.normal_(0, 1.0)
+            m.scale.uniform_(0.5, 2.0)
+    return hf, layer, hf.config.hidden_size
+
+
+@pytest.mark.parametrize("hc_mult", [2, 4])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_weights_equal_the_module(hc_mult, rows, dtype):
+    # same formulas in the same order; elementwise kernels (sigmoid) may take a vector or a
+    # scalar path depending on a slice's layout, so the last bit of a value can differ
+    hf, layer, d = hc_module(hc_mult, seed=rows + hc_mult)
+    streams = torch.randn(1, rows, hc_mult, d).to(dtype)
+    for module in (layer.attn_hc, layer.ffn_hc):
+        with torch.no_grad():
+            want = module(streams)
+            got = hc_weights(module, streams)
+            collapsed = hc_collapse(module, streams)
+        for w, g, name in zip(want, got, ("post", "comb", "collapsed")):
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            tol = 1e-6 if g.dtype == torch.float32 else 2**-7  # bf16: one rounding of the output
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol * 1e-2, msg=name)
+        torch.testing.assert_close(collapsed, want[2], rtol=1e-6 if dtype == torch.float32 else 2**-7, atol=0)
+
+
+def test_numpy_and_torch_sinkhorn_agree_and_the_loop_is_the_one_that_runs():
+    comb = torch.softmax(torch.randn(3, 5, 4, 4), -1) + 1e-6
+    assert torch.equal(sinkhorn_numpy(comb, 20, 1e-6), sinkhorn_torch(comb, 20, 1e-6))
+    hf, layer, d = hc_module(4, seed=0)
+    streams = torch.randn(1, 2, 4, d)
+    with torch.no_grad(), OpCounter() as ours:
+        hc_weights(layer.attn_hc, streams)
+    with torch.no_grad(), OpCounter() as theirs:
+        layer.attn_hc(streams)
+    # the Sinkhorn loop alone is 6 ops per iteration in torch; ours runs it on the host
+    assert ours.total < 40 < 6 * layer.attn_hc.hc_sinkhorn_iters < theirs.total, (ours.total, theirs.total)
+
+
+def test_autograd_takes_the_torch_loop():
+    hf, layer, d = hc_module(2, seed=1)
+    streams = torch.randn(1, 3, 2, d, requires_grad=True)
+    post, comb, collapsed = hc_weights(layer.attn_hc, streams)
+    (comb.sum() + collapsed.sum() + post.sum()).backward()
+    assert streams.grad is not None and torch.isfinite(streams.grad).all()
