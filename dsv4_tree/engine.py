@@ -94,19 +94,26 @@ class Engine:
             )
         return ids
 
-    def _check_batch(self, requests, trees, enforce_limits: bool = True) -> None:
-        if not isinstance(requests, (list, tuple)) or not isinstance(trees, (list, tuple)):
+    def _check_requests(self, requests, num_trees: int) -> None:
+        """The request list's own checks (also for accept with the verified trees)."""
+        if not isinstance(requests, (list, tuple)):
             raise InputError("requests and trees must be lists")
-        if len(requests) != len(trees):
-            raise InputError(f"{len(requests)} requests but {len(trees)} trees: one tree per request")
+        if len(requests) != num_trees:
+            raise InputError(f"{len(requests)} requests but {num_trees} trees: one tree per request")
         if not requests:
             raise InputError("verify needs at least one request")
         if len({id(r) for r in requests}) != len(requests):
             raise InputError("the same request appears twice in one verify call")
-        for b, (req, tree) in enumerate(zip(requests, trees)):
+        for b, req in enumerate(requests):
             if not isinstance(req, Request):
                 raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
             check_live([req])
+
+    def _check_batch(self, requests, trees, enforce_limits: bool = True) -> None:
+        if not isinstance(requests, (list, tuple)) or not isinstance(trees, (list, tuple)):
+            raise InputError("requests and trees must be lists")
+        self._check_requests(requests, len(trees))
+        for b, tree in enumerate(trees):
             if not isinstance(tree, DraftTree):
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
             if enforce_limits and tree.num_nodes > self.limits.max_nodes:
@@ -266,9 +273,14 @@ class Engine:
                               generator, progress)
 
     def _check_out(self, requests, trees, out: VerifyOutput) -> None:
-        self._check_batch(requests, trees, enforce_limits=False)
         if not isinstance(out, VerifyOutput):
             raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
+        if (isinstance(trees, (list, tuple)) and len(trees) == len(out.plan.trees)
+                and all(a is b for a, b in zip(trees, out.plan.trees))):
+            # the very trees verify checked: only the requests need checking (cheap, no tensors)
+            self._check_requests(requests, len(trees))
+        else:
+            self._check_batch(requests, trees, enforce_limits=False)
         if tuple(r.request_id for r in requests) != out.request_ids:
             raise InputError("requests differ from those of the verify call that produced `out`")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
