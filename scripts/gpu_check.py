@@ -30,7 +30,7 @@ class Step:
     limit_s: float
     env: dict = dataclasses.field(default_factory=dict)
     cwd: str = str(ROOT)  # pytest runs elsewhere: `python -m` would import dsv4_tree from the checkout
-    status: str = "pending"  # then: ok | failed | timeout | skipped | not available
+    status: str = "pending"  # then: ok | failed | timeout | skipped | not available | not selected
     seconds: float = 0.0
     summary: str = ""
     result: dict | None = None  # a benchmark's last-line JSON
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         if s.status != "pending":
             continue
         if args.only and s.name not in args.only.split(","):
-            s.status, s.summary = "skipped", "not selected (--only)"
+            s.status, s.summary = "not selected", "--only names other steps"
         elif not args.dry_run and not gpu:
             s.status, s.summary = "skipped", f"no CUDA device visible to {args.python} (torch {torch_ver}, CUDA {cuda_ver})"
         else:
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report, steps))
     print(f"[gpu_check] report: {out / 'report.md'}", file=sys.stderr)
-    return 0 if all(s.status in ("ok", "not available") for s in steps) else 1
+    return 0 if all(s.status in ("ok", "not available", "not selected") for s in steps) else 1
 
 
 if __name__ == "__main__":

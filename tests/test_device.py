@@ -205,10 +205,29 @@ def test_batched_and_grouped_experts_give_the_same_verify():
     p = prompt(40, 3)
     tree = random_tree(int(p[-1]), 16, 8, 4, seed=5)
     grouped = eng.verify([eng.prefill(p)], [tree]).logits[0]
+    before = model.hf.config._experts_implementation
     model.hf.set_experts_implementation("batched_mm")  # a caller's choice is kept by run_rows
     try:
         eng2 = dt.Engine(model, SPEC)
         batched = eng2.verify([eng2.prefill(p)], [tree]).logits[0]
     finally:
-        model.hf.set_experts_implementation("eager")
+        model.hf.set_experts_implementation(before)
     assert relative_error(batched, grouped) < REL_TOL
+
+
+def test_transformers_default_experts_are_replaced_a_callers_choice_is_kept():
+    from types import SimpleNamespace
+
+    from dsv4_tree.model.forward import experts_implementation
+
+    # transformers 5.23 defaults to grouped_mm (eager where torch lacks it): both are replaced,
+    # so a default fp32 model on cuda gets batched_mm (the first H200 run caught grouped_mm there)
+    for default in (None, "eager", "grouped_mm"):
+        cfg = SimpleNamespace(_experts_implementation=default)
+        with experts_implementation(cfg, "batched_mm"):
+            assert cfg._experts_implementation == "batched_mm"
+        assert cfg._experts_implementation == default
+    cfg = SimpleNamespace(_experts_implementation="batched_mm")
+    with experts_implementation(cfg, "grouped_mm"):
+        assert cfg._experts_implementation == "batched_mm"
+    assert small_model().hf.config._experts_implementation == "grouped_mm"  # the default this guards

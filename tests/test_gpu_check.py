@@ -1,7 +1,8 @@
 """scripts/gpu_check --dry-run: the whole GPU check, end to end on CPU at tiny shapes.
 
 Covers every step the GPU run has, through the same wrapper and the same report writer: the
-gpu-marked tests (collected, skipped without CUDA), bench_verify (one 4K context instead of
+gpu-marked tests (collected, skipped without CUDA) with the device-fixture tests (run on CPU),
+bench_verify (one 4K context instead of
 64K/256K/1M, fp32), bench_batch (bs 1 and 2, N = 4, both models), and the CUDA-graph step
 (run where SpecConfig has cuda_graph_max_bs, otherwise reported as not available). What it
 cannot cover: anything that needs CUDA (bf16 kernels, graph capture, GPU timings)."""
@@ -86,3 +87,18 @@ def test_cuda_graph_ratios_and_report_table():
               "cuda_graph": ratios}
     md = gc.markdown(report, [eager, replay])
     assert "| 64 | 1.000 | 0.500 | 0.500 |" in md and "| cuda_graph_replay | ok |" in md
+
+
+def test_only_runs_the_named_steps_and_the_rest_do_not_fail_the_run(tmp_path, monkeypatch):
+    gc = _gpu_check_module()
+    ran = []
+
+    def fake_run(step, budget_end, log_dir):
+        ran.append(step.name)
+        step.status = "ok"
+
+    monkeypatch.setattr(gc, "run", fake_run)
+    assert gc.main(["--out", str(tmp_path), "--dry-run", "--only", "bench_batch"]) == 0
+    assert ran == ["bench_batch"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {s["name"]: s["status"] for s in report["steps"]}["gpu_tests"] == "not selected"

@@ -57,13 +57,19 @@ def rows_experts(experts) -> str:
     return "batched_mm" if w.device.type == "cuda" and w.dtype != torch.bfloat16 else "grouped_mm"
 
 
+# implementations run_rows replaces with rows_experts' choice: transformers' defaults (it
+# picks "grouped_mm" where torch can dispatch it, else "eager"); anything else was chosen by
+# the caller (batched_mm, a registered kernel) and stays
+REPLACED_EXPERTS = (None, "eager", "grouped_mm")
+
+
 @contextlib.contextmanager
 def experts_implementation(config, name: str):
     """Run the routed experts reading `config` with transformers' `name` implementation inside
-    the block, restoring it after. Only HF's default (eager) is replaced: an implementation the
-    caller set on the model stays."""
+    the block, restoring it after, unless the config holds a caller's choice (not in
+    REPLACED_EXPERTS)."""
     before = config._experts_implementation
-    if before not in (None, "eager"):  # the caller chose an implementation: keep it
+    if before not in REPLACED_EXPERTS:
         yield
         return
     config._experts_implementation = name
