@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Makes matplotlib uninstalled in the child: every finder returns nothing for it.
@@ -42,3 +44,35 @@ def test_bench_verify_without_matplotlib(tmp_path):
     assert not png.exists()
     data = json.loads(lines[-1])
     assert data["context"] == 64 and data["N"] == 2 and len(data["records"]) == 1, data
+
+
+def _bench_accept():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_accept", ROOT / "benchmarks" / "bench_accept.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_accept_small_run_matches_hf_in_every_case(capsys):
+    bench = _bench_accept()
+    bench.main(["--prompts", "1", "--prompt-len", "64", "--new-tokens", "6", "--budgets", "4",
+                "--batch-sizes", "1,2", "--batch-new-tokens", "5", "--repeats", "2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["repeats"] == 2
+    cases = {r["case"]: r for r in out["records"]}
+    assert {"no speculation (1-node chain)", "chain MTP N=4", "tree MTP N=4 topk 4",
+            "generate_batch x2 tree topk4 N=8"} <= set(cases)
+    assert all(r["output_equals_hf"] for r in out["records"]), out["records"]
+    assert cases["no speculation (1-node chain)"]["tokens_per_verify"] == 1.0
+
+
+def test_bench_accept_timing_takes_the_fastest_and_refuses_changing_outputs():
+    bench = _bench_accept()
+    calls = iter([[1], [1], [1]])
+    out, secs = bench.timed(3, lambda: next(calls))
+    assert out == [1] and secs >= 0
+    calls = iter([[1], [2]])
+    with pytest.raises(RuntimeError, match="different outputs"):
+        bench.timed(2, lambda: next(calls))
