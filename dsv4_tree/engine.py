@@ -123,13 +123,16 @@ class Engine:
         starts = list(itertools.accumulate([0] + sizes[:-1]))
         tokens = torch.cat([t.tokens for t in trees])
         v = self.model.vocab_size
-        if bool(((tokens < 0) | (tokens >= v)).any()):
+        lo, hi = torch.aminmax(tokens)
+        if int(lo) < 0 or int(hi) >= v:
             for b, tree in enumerate(trees):
                 self._check_ids(tree.tokens, f"trees[{b}].tokens")
         for b, (req, root) in enumerate(zip(requests, tokens[starts].tolist())):
             if root != req.root_token:
                 raise InputError(f"trees[{b}] root token {root} is not the request's pending root token {req.root_token}")
-        for b, (req, depth) in enumerate(zip(requests, packed_max_depth(trees, sizes, starts))):
+        # every tree a lone root (plain decoding): depth 0, no pointer-jumping pass
+        depths = [0] * len(trees) if tokens.numel() == len(trees) else packed_max_depth(trees, sizes, starts)
+        for b, (req, depth) in enumerate(zip(requests, depths)):
             if enforce_limits and depth > self.limits.max_depth:
                 raise InputError(f"trees[{b}] has depth {depth}; num_steps allows {self.limits.max_depth}")
             if req.seq_len + depth >= self.limits.max_positions:
@@ -323,14 +326,19 @@ class Engine:
                 raise InputError(f"accs[{b}].path must be a tuple of int node ids, got {acc.path!r}")
             if not _is_int(acc.bonus):
                 raise InputError(f"accs[{b}].bonus must be an int token id, got {acc.bonus!r}")
-            path = torch.as_tensor(acc.path, dtype=torch.int64)
-            if path.numel() == 0 or int(path[0]) != 0:
+            nodes = list(acc.path)
+            if not nodes or nodes[0] != 0:
                 raise InputError(f"accs[{b}].path must start at the root (node 0)")
-            if int(path.max()) >= tree.num_nodes or not torch.equal(tree.path[path[-1], : path.numel()], path):
+            # host ints: each node's parent is the node before it (a root-to-node path)
+            parents = tree.parents.tolist() if len(nodes) > 1 else [-1]
+            if not 0 <= min(nodes) <= max(nodes) < tree.num_nodes or any(parents[c] != a for a, c in zip(nodes, nodes[1:])):
                 raise InputError(f"accs[{b}].path {acc.path} is not a root-to-node path of the verified tree")
-            self._check_ids(torch.tensor([acc.bonus]), f"accs[{b}].bonus")
-            if req.seq_len + path.numel() >= self.limits.max_positions:
+            if not 0 <= acc.bonus < self.model.vocab_size:
+                raise InputError(f"accs[{b}].bonus: token id {acc.bonus} outside the vocabulary "
+                                 f"[0, {self.model.vocab_size})")
+            if req.seq_len + len(nodes) >= self.limits.max_positions:
                 raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
+            path = torch.tensor(nodes, dtype=torch.int64)
             o = out.plan.offsets[b]
             rows = (o + path).to(out.run.hidden.device, non_blocking=True)
             paths.append(path)

@@ -120,6 +120,9 @@ def test_bad_commits_leave_state_unchanged(setup):
     bad_path = dt.Acceptance((0, 9, 3), 4, other.request_id, out.verify_id)  # not a path
     with pytest.raises(dt.InputError, match="not a root-to-node path"):
         eng.commit([req, other], [accs[0], bad_path], out)
+    for nodes in ((0, 99), (0, -1), (0, -9)):  # out of range, and negative ids (never Python's wrap-around)
+        with pytest.raises(dt.InputError, match="not a root-to-node path"):
+            eng.commit([req, other], [accs[0], dt.Acceptance(nodes, 4, other.request_id, out.verify_id)], out)
     with pytest.raises(dt.InputError, match="1 acceptances"):
         eng.commit([req, other], accs[:1], out)
     with pytest.raises(dt.InputError, match="vocabulary"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.norms import rms_norm
 from ..reference.ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
@@ -26,7 +27,7 @@ class RowRope:
 def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
     """The K=V rows (kv_norm, RoPE) a layer stores for inputs x [1, T, hidden]. -> [T, head_dim]"""
     t, d = x.shape[1], attn.head_dim
-    kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
+    kv = rms_norm(attn.kv_norm, attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
     return apply_rope(kv, cos, sin)[0, 0]
 
 
@@ -58,8 +59,8 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
     t = plan.num_rows
     h, d = attn.num_heads, attn.head_dim
     cos, sin = rope.rows[attn.rope_layer_type]
-    q_res = attn.q_a_norm(attn.q_a_proj(x))
-    q = attn.q_b_norm(attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
+    q_res = rms_norm(attn.q_a_norm, attn.q_a_proj(x))
+    q = rms_norm(attn.q_b_norm, attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
     q = apply_rope(q, cos, sin)[0].transpose(0, 1).contiguous()  # [T, H, d]
     pools.swa.write(plan.out_loc, kv_rows(attn, x, cos, sin, apply_rope))
     extra = extra_index = extra_len = ties = None

@@ -13,6 +13,7 @@ import torch
 
 from ..model.forward import experts_implementation, rows_experts
 from ..model.hc import hc_collapse, hc_weights
+from ..model.norms import rms_norm
 from ..model.rope import apply_rope, rope_pairs
 from ..reference.ops import ref_sparse_mqa_sink
 
@@ -44,7 +45,7 @@ def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positio
 def _kv(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """K=V rows of layer inputs x [1, T, hidden] -> [T, head_dim]."""
     t, d = x.shape[1], attn.head_dim
-    kv = attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
+    kv = rms_norm(attn.kv_norm, attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
     return apply_rope(kv, cos, sin)[0, 0]
 
 
@@ -55,7 +56,7 @@ def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: t
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
     layer = mtp.decoder
     collapsed = hc_collapse(layer.attn_hc, h)
-    return _kv(layer.self_attn, layer.input_layernorm(collapsed), cos, sin)
+    return _kv(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), cos, sin)
 
 
 @torch.no_grad()
@@ -71,9 +72,9 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
     dtype = h.dtype
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
-    x = layer.input_layernorm(collapsed)
-    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
-    q = apply_rope(attn.q_b_norm(q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
+    x = rms_norm(layer.input_layernorm, collapsed)
+    q = attn.q_b_proj(rms_norm(attn.q_a_norm, attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
+    q = apply_rope(rms_norm(attn.q_b_norm, q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
     kv = _kv(attn, x, cos, sin)
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
@@ -84,7 +85,7 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     experts = layer.mlp.experts
     with experts_implementation(experts.config, rows_experts(experts)):
-        mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids.unsqueeze(0))
+        mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids.unsqueeze(0))
     h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
-    logits = model.hf.lm_head(mtp.norm(mtp.hc_head(h)))[0]
+    logits = model.hf.lm_head(rms_norm(mtp.norm, mtp.hc_head(h)))[0]
     return MtpRows(logits, h[0], kv)

@@ -10,6 +10,7 @@ import torch
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
 from .hc import hc_weights
+from .norms import rms_norm
 from .rope import apply_rope, rope_pairs
 
 
@@ -36,11 +37,11 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
     """One DeepseekV4DecoderLayer (mHC, attention, MoE) over packed rows. h [1, T, hc, hidden]."""
     dtype = h.dtype
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
-    attn_out, ties = attention_rows(layer.self_attn, layer.input_layernorm(collapsed), plan, pools, rope, ops,
+    attn_out, ties = attention_rows(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), plan, pools, rope, ops,
                                     apply_rope)
     h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
-    mlp_out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
+    mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids)
     h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
     return h, ties
 
@@ -99,5 +100,5 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
     hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows]
-    logits = model.hf.lm_head(hf.norm(hf.hc_head(h)))[0]
+    logits = model.hf.lm_head(rms_norm(hf.norm, hf.hc_head(h)))[0]
     return RowsRun(logits, ties, hidden)

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .norms import rms_norm
+
 _SCALE_INDEX: dict = {}
 
 
@@ -59,7 +61,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def _mix(module, streams: torch.Tensor) -> torch.Tensor:
     """Normed, flattened streams [B, S, hc*d] through the module's projection -> [B, S, (2+hc)*hc]."""
     b, s = streams.shape[:2]
-    flat = module.input_norm(streams.view(b, s, -1).float())
+    flat = rms_norm(module.input_norm, streams.view(b, s, -1).float())
     return F.linear(flat, module.fn.float())
 
 

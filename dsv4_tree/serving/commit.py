@@ -31,25 +31,35 @@ class SlotMoves:
 
 
 def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotMoves:
-    """rows / seq_lens / paths per request (path: accepted node ids root first, a tensor)."""
-    src, dst = [], []
-    ent_src = {m: [] for m in layout.ratios}
-    ent_dst = {m: [] for m in layout.ratios}
+    """rows / seq_lens / paths per request (path: accepted node ids root first, a tensor).
+
+    Which rows move and which blocks close is host arithmetic on a few ints per request; the
+    slot lookups then run once for the whole batch (none when nothing moves or closes, as in
+    most plain decode steps)."""
+    mv_rows, mv_src, mv_dst = [], [], []
+    closed = {m: ([], [], []) for m in layout.ratios}  # request row, node, first position of the block
     for row, p, path in zip(rows, seq_lens, paths):
-        depth = torch.arange(path.numel())
-        r = torch.full_like(depth, row)
-        moved = path != depth
-        src.append(pages.recent_slots(pages.token_slots(r[moved], p + path[moved])))
-        dst.append(pages.recent_slots(pages.token_slots(r[moved], p + depth[moved])))
-        pos = p + depth
-        for m in layout.ratios:
-            closes = (pos + 1) % m == 0
-            block_first = (pos[closes] + 1) - m
-            ent_src[m].append(layout.scratch_slot(m, r[closes], path[closes]))
-            ent_dst[m].append(layout.entry_slot(m, pages.token_slots(r[closes], block_first)))
+        for d, node in enumerate(path.tolist()):
+            if node != d:
+                mv_rows.append(row)
+                mv_src.append(p + node)
+                mv_dst.append(p + d)
+            for m, (c_rows, c_nodes, c_first) in closed.items():
+                if (p + d + 1) % m == 0:
+                    c_rows.append(row)
+                    c_nodes.append(node)
+                    c_first.append(p + d + 1 - m)
     empty = torch.zeros(0, dtype=torch.int64)
-    cat = lambda xs: torch.cat(xs) if xs else empty  # noqa: E731
-    return SlotMoves(cat(src), cat(dst), {m: cat(v) for m, v in ent_src.items()}, {m: cat(v) for m, v in ent_dst.items()})
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+
+    def recent(rws, pos):
+        return pages.recent_slots(pages.token_slots(ints(rws), ints(pos))) if rws else empty
+
+    ent_src, ent_dst = {}, {}
+    for m, (c_rows, c_nodes, c_first) in closed.items():
+        ent_src[m] = layout.scratch_slot(m, ints(c_rows), ints(c_nodes)) if c_rows else empty
+        ent_dst[m] = layout.entry_slot(m, pages.token_slots(ints(c_rows), ints(c_first))) if c_rows else empty
+    return SlotMoves(recent(mv_rows, mv_src), recent(mv_rows, mv_dst), ent_src, ent_dst)
 
 
 @torch.no_grad()

@@ -110,9 +110,12 @@ def _compress_tables(rows: _Rows, pages: PageTable, layout: Layout, ratio: int, 
     m, t = ratio, rows.pos.shape[0]
     closing = ((rows.pos + 1) % m == 0).nonzero().flatten()
     block = (rows.pos[closing] + 1) // m - 1
-    first = (block - 1) * m if overlap else block * m
-    q = first.unsqueeze(1) + torch.arange(2 * m if overlap else m)
-    src = _source_slots(rows, pages, closing, q)
+    width = 2 * m if overlap else m
+    if closing.numel():
+        first = (block - 1) * m if overlap else block * m
+        src = _source_slots(rows, pages, closing, first.unsqueeze(1) + torch.arange(width))
+    else:  # no row closes a block (most decode steps): nothing to gather
+        src = torch.empty((0, width), dtype=torch.int64)
     scratch = layout.scratch_slot(m, rows.row, rows.node)  # [T] (used for closing rows only)
     # committed entries of each request's row, then this row's branch entries in block order
     n_e = rows.seq_len // m  # [T]
