@@ -3,6 +3,7 @@
 Steps, in priority order (a step that would start after --budget-s is spent is marked skipped):
   gpu_tests          pytest -m 'gpu or on_device' with DSV4_TREE_GPU=1 (kernels, device flow, CUDA graphs)
   bench_verify_64K   benchmarks/bench_verify.py, bf16 (+ --kv-cache-dtype fp8_e4m3 where supported)
+  bench_verify_triton  bench_verify_64K with --backend triton (the Triton kernels)
   bench_batch        benchmarks/bench_batch.py, bf16
   cuda_graph         bench_batch eager vs --cuda-graph-max-bs 64 (where SpecConfig has the field)
   bench_verify_256K, bench_verify_1M
@@ -110,6 +111,12 @@ def plan_steps(args, out: Path) -> list:
                    [py, "benchmarks/bench_verify.py", *dev, *fp8, *size, "--contexts", str(ctx),
                     "--plot", str(out / f"bench_verify_{label}.png")], args.limit_verify)
               for label, ctx in contexts]
+    # the same 64K verify with the Triton kernels (the steps above use the torch reference ops);
+    # the dry run uses tiny shapes, the interpreter being too slow for Flash-shaped layers
+    triton_size = ["--quick", "--shapes", "tiny", "--nodes", "4", "--reps", "1", "--contexts", "1024"] if dry else \
+        ["--nodes", "8,16", "--reps", "3", "--contexts", "65536"]
+    kernels = Step("bench_verify_triton", [py, "benchmarks/bench_verify.py", *dev, *fp8, "--backend", "triton",
+                                               *triton_size, "--plot", ""], args.limit_verify)
     tiny = ["--bs", "1,2", "--nodes", "4", "--flash-bs", "1", "--reps", "1", "--context", "1024"] if dry else []
     batch = Step("bench_batch", [py, "benchmarks/bench_batch.py", *dev, *tiny, "--plot", str(out / "bench_batch.png")],
                  args.limit_batch)
@@ -120,7 +127,7 @@ def plan_steps(args, out: Path) -> list:
     if not has_graph_field(py):
         for g in graph:
             g.status, g.summary = "not available", "SpecConfig has no cuda_graph_max_bs field in this version"
-    return [tests, verify[0], batch, *graph, *verify[1:]]
+    return [tests, verify[0], kernels, batch, *graph, *verify[1:]]
 
 
 def graph_ratios(steps) -> list:

@@ -23,7 +23,9 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     bad = {n: (s["status"], s["summary"], s["tail"]) for n, s in steps.items() if s["status"] not in ("ok", "not available")}
     assert proc.returncode == 0 and not bad, f"rc={proc.returncode} {bad}\n{proc.stderr[-2000:]}"
     assert report["mode"] == "dry-run"
-    assert list(steps) == ["gpu_tests", "bench_verify_4K", "bench_batch", "cuda_graph_eager", "cuda_graph_replay"]
+    assert list(steps) == ["gpu_tests", "bench_verify_4K", "bench_verify_triton", "bench_batch", "cuda_graph_eager",
+                           "cuda_graph_replay"]
+    assert steps["bench_verify_triton"]["result"]["backend"] == "triton"
     assert "skipped" in steps["gpu_tests"]["summary"], steps["gpu_tests"]  # no CUDA here: collected, skipped
     verify = steps["bench_verify_4K"]["result"]
     assert [(r["context"], r["N"]) for r in verify["records"]] == [(4096, 4)]
