@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, check_scale, pow2
+from ._launch import FLOATS, INDEX, check, check_device, check_scale, pow2
 from ._pool_rows import PoolFormat, load_pool_rows, pool_format
 
 
@@ -102,7 +102,7 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     check_scale(scale)
     main = _pool_for("kv", kv, d)
     _check_table("indices", indices, "lengths", lengths, t)
-    check("sinks", sinks, 1, (torch.float32,))
+    check("sinks", sinks, 1, FLOATS)  # read as fp32 in the kernel (a bf16 model's sinks are bf16)
     if sinks.shape[0] != h:
         raise InputError(f"sinks has {sinks.shape[0]} entries, q has {h} heads")
     extras = (extra_kv, extra_indices, extra_lengths)

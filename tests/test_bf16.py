@@ -38,3 +38,18 @@ def test_bf16_tree_verify_error_within_twice_hugging_faces_own():
     assert ours.max() <= 2 * theirs.max(), (
         f"worst row: ours {ours.max():.3e}, Hugging Face bf16 {theirs.max():.3e}; "
         f"means {ours.mean():.3e} vs {theirs.mean():.3e}")
+
+
+def test_bf16_model_on_the_triton_backend_matches_the_torch_backend():
+    # a model cast with .to(bfloat16) has bf16 attention sinks (from_pretrained keeps them fp32):
+    # the kernels take them (the H200 run of bench_verify --backend triton refused bf16 sinks)
+    bf16 = dt.load_model(dt.load_model(dt.tiny_checkpoint()).hf, dtype=torch.bfloat16)
+    assert bf16.hf.model.layers[0].self_attn.sinks.dtype == torch.bfloat16
+    p = prompt(36, 4)
+    tree = random_tree(int(p[-1]), 8, 4, 3, 1)
+    logits = {}
+    for backend in ("torch", "triton"):
+        eng = dt.Engine(bf16, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16, attention_backend=backend))
+        logits[backend] = eng.verify([eng.prefill(p)], [tree]).logits[0].float()
+    err = row_errors(logits["triton"], logits["torch"])
+    assert torch.isfinite(logits["triton"]).all() and err.max() < 5e-2, err

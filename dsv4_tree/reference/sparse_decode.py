@@ -26,7 +26,7 @@ def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extr
 
     q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
     ignored); lengths [T] int; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into
-    a second pool (or all None); sinks [H] fp32: logit of a zero-value key per head; scale: float.
+    a second pool (or all None); sinks [H] (any float dtype, used in fp32): logit of a zero-value key per head; scale: float.
     Returns (out [T, H, d] in q.dtype, lse [T, H] fp32). lse is the log-sum-exp of the real keys'
     logits only (+inf for a row with no key, as FlashMLA); the sink enters the output as
     out = softmax-average * e^lse / (e^lse + e^sink), i.e. the softmax over keys + sink with a
