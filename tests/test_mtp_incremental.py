@@ -80,3 +80,25 @@ def test_incremental_equals_full_recompute_across_commits():
         out = eng.verify(reqs, ex.trees)
         eng.commit(reqs, eng.accept_greedy(reqs, ex.trees, out), out)
     assert exact >= total - 1, f"{exact} of {total} drafts compared exactly"
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(4, 3, 8), (2, 4, 8), (4, 5, 16)])
+def test_drafter_trees_are_build_trees_tensors(topk, steps, nodes):
+    """The drafter builds its DraftTrees from the selection directly; they are the trees that
+    SGLang's build_tree tensors describe for the same expansion."""
+    from dsv4_tree.tree.build import build_tree, organize_draft_results
+    from dsv4_tree.tree.convert import tensors_to_trees
+
+    model = trained()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+    drafter = MtpDrafter(model, TreeShape(topk, steps, nodes))
+    reqs = [eng.prefill(heldout_prompt(n, seed)) for seed, n in enumerate((30, 70))]
+    ex = drafter.expand(reqs)
+    org = organize_draft_results(ex.score_list, ex.token_list, ex.parents_list, nodes)
+    roots = torch.tensor([r.root_token for r in reqs])
+    built = build_tree(roots, org.parent_list, org.top_scores_index, org.draft_tokens,
+                       torch.tensor([r.seq_len for r in reqs]), topk, steps, nodes)
+    want = tensors_to_trees(built.draft_tokens, built.retrieve_next_token, built.retrieve_next_sibling)
+    for got, ref in zip(ex.trees, want):
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.parents, ref.parents)
+    assert any(t.max_depth > 1 for t in ex.trees)  # real trees, not only chains of the root

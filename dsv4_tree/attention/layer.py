@@ -21,7 +21,7 @@ class RowRope:
     """cos/sin computed once per verify: for rows ("main"/"compress") and block starts."""
 
     rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (model/rope.py)
-    blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]
+    blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]; None where no row closes a block
 
 
 def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
@@ -36,15 +36,18 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     comp = attn.compressor
     ct = plan.compress[comp.compress_rate]
     cs = rope.blocks[comp.compress_rate]
+    closes = ct.closing.shape[0] > 0  # a host-known shape: most decode steps close no block
     pools.main.write_rows(plan.out_loc, comp.kv_proj(x)[0], comp.gate_proj(x)[0])
-    pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
+    if closes:
+        pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
     idx = getattr(comp, "indexer", None)
     if idx is None:
         return ct.entries, ct.entry_len, None
     t = plan.num_rows
     pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
-    keys = branch_entries(pools.indexer, ct, idx, cs, apply_rope, ops.pool_entries)
-    pools.indexer.entries.write(ct.entry_out, keys)
+    if closes:
+        pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope,
+                                                                 ops.pool_entries))
     ccos, csin = rope.rows["compress"]
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
     iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]

@@ -17,8 +17,7 @@ import torch
 
 from ..errors import StateError
 from ..model.mtp import MtpBlock, load_mtp
-from ..tree.build import build_tree, organize_draft_results
-from ..tree.convert import tensors_to_trees
+from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
 from .mtp_cache import DraftCache, extend, window_index
@@ -126,8 +125,11 @@ class MtpDrafter:
         cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
         score_list, token_list, parents_list = cpu(score_list), cpu(token_list), cpu(parents_list)
         org = organize_draft_results(score_list, token_list, parents_list, n)
-        built = build_tree(roots.cpu(), org.parent_list, org.top_scores_index, org.draft_tokens, seq.cpu(), k, steps, n)
-        trees = tensors_to_trees(built.draft_tokens, built.retrieve_next_token, built.retrieve_next_sibling)
+        # the trees build_tree's tensors describe (tests/test_mtp_incremental.py checks the two
+        # agree), straight from the selection: SGLang's masks and links are not needed here
+        parents = local_parents(org.parent_list, org.top_scores_index, k)
+        tokens = torch.cat([roots.cpu().unsqueeze(1), org.draft_tokens], 1)
+        trees = [DraftTree(tokens[i].clone(), parents[i].clone()) for i in range(b)]
         return DraftExpansion(score_list, token_list, parents_list, trees)
 
     def _record(self, requests, steps_rows, step_ids, rec_parents, k) -> None:
