@@ -231,3 +231,22 @@ def test_transformers_default_experts_are_replaced_a_callers_choice_is_kept():
     with experts_implementation(cfg, "grouped_mm"):
         assert cfg._experts_implementation == "batched_mm"
     assert small_model().hf.config._experts_implementation == "grouped_mm"  # the default this guards
+
+
+def test_verify_outputs_are_inference_tensors_and_drafted_trees_are_not():
+    # the forward runs under torch.inference_mode (design_notes/fewer-ops.md): its outputs can
+    # be read, and cloned to edit; the drafter's trees are ordinary tensors
+    model = dt.load_model(dt.trained_checkpoint())
+    eng = dt.Engine(model, SPEC)
+    req = eng.prefill(torch.arange(40) % 200 + 32)
+    tree = MtpDrafter(model, TreeShape(4, 3, 8)).draft(eng, [req])[0]
+    assert not tree.tokens.is_inference() and not tree.parents.is_inference()
+    out = eng.verify([req], [tree])
+    assert out.logits[0].is_inference()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        out.logits[0][0, 0] = 0.0
+    edited = out.logits[0].clone()
+    edited[0, 0] = 0.0  # a clone is an ordinary tensor
+    accs = eng.accept_greedy([req], [tree], out)
+    eng.commit([req], accs, out)
+    assert not req.new_hidden.is_inference()

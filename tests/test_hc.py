@@ -59,3 +59,15 @@ def test_autograd_takes_the_torch_loop():
     post, comb, collapsed = hc_weights(layer.attn_hc, streams)
     (comb.sum() + collapsed.sum() + post.sum()).backward()
     assert streams.grad is not None and torch.isfinite(streams.grad).all()
+
+
+def test_autograd_after_an_inference_mode_forward():
+    # the first call may come from the engine's forward (inference mode); what it caches must
+    # still serve a later autograd call (the full suite caught the cached scale index)
+    hf, layer, d = hc_module(3, seed=2)
+    streams = torch.randn(1, 2, 3, d)
+    with torch.inference_mode():
+        hc_weights(layer.attn_hc, streams)
+    x = streams.clone().requires_grad_(True)
+    hc_weights(layer.attn_hc, x)[1].sum().backward()
+    assert x.grad is not None

@@ -73,7 +73,7 @@ class MtpDrafter:
             return [DraftTree.chain([r.root_token]) for r in requests]
         return self.expand(requests).trees
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def expand(self, requests) -> DraftExpansion:
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         model, w = self.model, self.model.window
@@ -129,7 +129,8 @@ class MtpDrafter:
         # agree), straight from the selection: SGLang's masks and links are not needed here
         parents = local_parents(org.parent_list, org.top_scores_index, k)
         tokens = torch.cat([roots.cpu().unsqueeze(1), org.draft_tokens], 1)
-        trees = [DraftTree(tokens[i].clone(), parents[i].clone()) for i in range(b)]
+        with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
+            trees = [DraftTree(tokens[i].clone(), parents[i].clone()) for i in range(b)]
         return DraftExpansion(score_list, token_list, parents_list, trees)
 
     def _record(self, requests, steps_rows, step_ids, rec_parents, k) -> None:

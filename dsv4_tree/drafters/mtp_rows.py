@@ -49,7 +49,7 @@ def _kv(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
     return apply_rope(kv, cos, sin)[0, 0]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Only the K=V rows the draft layer stores for these inputs ([T, head_dim]): a row's K=V
     depends on its own input alone."""
@@ -59,7 +59,7 @@ def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: t
     return _kv(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), cos, sin)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
              table: torch.Tensor, index: torch.Tensor) -> MtpRows:
     """The draft layer over T new rows.

@@ -80,7 +80,7 @@ def experts_implementation(config, name: str):
         config._experts_implementation = before
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None,
              experts: str | None = None) -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).

@@ -36,6 +36,7 @@ class GraphCache:
         self.model, self.pools, self.ops = model, pools, ops
         self.graphs: dict = {}
 
+    @torch.inference_mode()  # as run_rows: the static buffers may be inference tensors
     def run(self, plan: VerifyPlan, bucket: Bucket) -> RowsRun:
         """plan: padded to `bucket`, on the model's (CUDA) device."""
         cap = self.graphs.get(bucket)

@@ -29,7 +29,8 @@ def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
     """[0]*hc + [1]*hc + [2]*hc*hc: picks the pre / post / comb scale for each weight column."""
     key = (hc, device)
     if key not in _SCALE_INDEX:
-        _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+        with torch.inference_mode(False):  # a normal tensor, so autograd callers can use it too
+            _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
     return _SCALE_INDEX[key]
 
 

@@ -62,7 +62,7 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotM
     return SlotMoves(recent(mv_rows, mv_src), recent(mv_rows, mv_dst), ent_src, ent_dst)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def apply_moves(pools: list, moves: SlotMoves) -> None:
     """Bitwise copies into every layer's pools (gather first, so overlapping moves are safe)."""
     rs, rd = moves.recent_src, moves.recent_dst

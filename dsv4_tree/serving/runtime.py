@@ -41,13 +41,14 @@ class ServingRuntime:
     def release_row(self, row: int) -> None:
         self.pages.release(row)
 
+    @torch.inference_mode()
     def plan(self, rows, seq_lens, trees) -> VerifyPlan:
         """Map the draft slots (positions P .. P+N-1) of every request, then build the tables."""
         r = self.layout.recent_window
         self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - r for p in seq_lens])
         return build_tables(trees, seq_lens, rows, self.pages, self.layout)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def commit(self, rows, seq_lens, paths) -> None:
         """Move accepted rows and entries into their committed slots, then free what no row can
         read any more: pages past the new length, recent pages before new length - R."""
