@@ -8,7 +8,7 @@ case's output must equal Hugging Face's. Budgets: N verify rows per round (chain
 steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (tokens per
 verify there is per request; "verifies" counts verify calls, one per round for the batch).
 Each case runs --repeats times (same output each time) and the fastest run is reported, HF's
-included. Human table first, one JSON line last. --quick finishes in under 2 minutes on 2 cores."""
+included. Human table first, one JSON line last. --quick finishes in about 30 s on 2 cores."""
 from __future__ import annotations
 
 import argparse
