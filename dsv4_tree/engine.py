@@ -280,8 +280,13 @@ class Engine:
             raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
         if (isinstance(trees, (list, tuple)) and len(trees) == len(out.plan.trees)
                 and all(a is b for a, b in zip(trees, out.plan.trees))):
-            # the very trees verify checked: only the requests need checking (cheap, no tensors)
+            # the very trees verify checked: the requests, and each root (a tree edited in place
+            # since would show there first), need checking; host ints, no tensor ops
             self._check_requests(requests, len(trees))
+            for b, (req, tree) in enumerate(zip(requests, trees)):
+                if int(tree.tokens[0]) != req.root_token:
+                    raise InputError(f"trees[{b}] root token {int(tree.tokens[0])} is not the request's pending "
+                                     f"root token {req.root_token}")
         else:
             self._check_batch(requests, trees, enforce_limits=False)
         if tuple(r.request_id for r in requests) != out.request_ids:

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory for report.md, report.json, logs/ and plots")
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shapes: checks the script end to end")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the steps")
-    ap.add_argument("--only", default="", help="comma list of step names to run (the others are reported skipped)")
+    ap.add_argument("--only", default="", help="comma list of step names to run (the others are reported 'not selected' and do not fail the run)")
     ap.add_argument("--budget-s", type=float, default=540, help="wall-clock budget for all steps")
     ap.add_argument("--limit-tests", type=float, default=150)
     ap.add_argument("--limit-verify", type=float, default=120, help="per bench_verify context")
@@ -198,6 +198,9 @@ def main(argv=None) -> int:
     gpu = gpu.strip()
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), time.monotonic()
     steps = plan_steps(args, out)
+    unknown = sorted(set(filter(None, args.only.split(","))) - {s.name for s in steps})
+    if unknown:
+        ap.error(f"--only names unknown steps {unknown}; the steps are {[s.name for s in steps]}")
     for s in steps:
         if s.status != "pending":
             continue

@@ -139,3 +139,12 @@ def test_verify_does_not_mutate(setup):
     snap = snapshot(eng, req)
     eng.verify([req], [random_tree(req.root_token, 16, 6, 4, 8)])
     assert_unchanged(eng, req, snap)
+
+
+def test_accept_refuses_a_verified_tree_whose_root_was_edited_in_place(setup):
+    _, eng, req = setup
+    tree = random_tree(req.root_token, 6, 3, 2, 9)
+    out = eng.verify([req], [tree])
+    tree.tokens[0] = (req.root_token + 1) % 512
+    with pytest.raises(dt.InputError, match="root token"):
+        eng.accept_greedy([req], [tree], out)

@@ -40,12 +40,13 @@ def test_bf16_tree_verify_error_within_twice_hugging_faces_own():
         f"means {ours.mean():.3e} vs {theirs.mean():.3e}")
 
 
-def test_bf16_model_on_the_triton_backend_matches_the_torch_backend():
+def test_bf16_model_on_the_triton_backend_matches_the_torch_backend(device):
     # a model cast with .to(bfloat16) has bf16 attention sinks (from_pretrained keeps them fp32):
-    # the kernels take them (the H200 run of bench_verify --backend triton refused bf16 sinks)
-    bf16 = dt.load_model(dt.load_model(dt.tiny_checkpoint()).hf, dtype=torch.bfloat16)
+    # the kernels take them (the H200 run of bench_verify --backend triton refused bf16 sinks).
+    # On the `device` fixture: cuda under scripts/gpu_check, the Triton interpreter here.
+    bf16 = dt.load_model(dt.load_model(dt.tiny_checkpoint()).hf, device=device.type, dtype=torch.bfloat16)
     assert bf16.hf.model.layers[0].self_attn.sinks.dtype == torch.bfloat16
-    p = prompt(36, 4)
+    p = prompt(36, 4).to(device)
     tree = random_tree(int(p[-1]), 8, 4, 3, 1)
     logits = {}
     for backend in ("torch", "triton"):

@@ -191,10 +191,12 @@ def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
     def experts(device, dtype):
         return SimpleNamespace(gate_up_proj=SimpleNamespace(device=torch.device(device), dtype=dtype))
 
-    # torch's CUDA grouped GEMM is native for bf16; for other dtypes it reads offsets on the host
-    assert rows_experts(experts("cuda", torch.bfloat16)) == "grouped_mm"
+    # torch's CUDA grouped GEMM reads its offsets on the host for fp32 (the H200 run); kept FP8
+    # / FP4 experts have transformers' own grouped kernels; fp16 stays grouped (batched_mm's
+    # scratch grows with rows x top-k x expert size)
     assert rows_experts(experts("cuda", torch.float32)) == "batched_mm"
-    assert rows_experts(experts("cuda", torch.float16)) == "batched_mm"
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
+        assert rows_experts(experts("cuda", dtype)) == "grouped_mm", dtype
     assert rows_experts(experts("cpu", torch.float32)) == "grouped_mm"
     assert rows_experts(small_model().hf.model.layers[0].mlp.experts) == "grouped_mm"
 
@@ -239,8 +241,11 @@ def test_verify_outputs_are_inference_tensors_and_drafted_trees_are_not():
     model = dt.load_model(dt.trained_checkpoint())
     eng = dt.Engine(model, SPEC)
     req = eng.prefill(torch.arange(40) % 200 + 32)
-    tree = MtpDrafter(model, TreeShape(4, 3, 8)).draft(eng, [req])[0]
+    drafter = MtpDrafter(model, TreeShape(4, 3, 8), record=True)
+    tree = drafter.draft(eng, [req])[0]
     assert not tree.tokens.is_inference() and not tree.parents.is_inference()
+    record = drafter.records[req.request_id]
+    assert not record.tree.tokens.is_inference() and not record.rows.logits.is_inference()
     out = eng.verify([req], [tree])
     assert out.logits[0].is_inference()
     with pytest.raises(RuntimeError, match="[Ii]nference tensor"):

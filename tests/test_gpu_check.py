@@ -11,6 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,3 +106,10 @@ def test_only_runs_the_named_steps_and_the_rest_do_not_fail_the_run(tmp_path, mo
     assert ran == ["bench_batch"]
     report = json.loads((tmp_path / "report.json").read_text())
     assert {s["name"]: s["status"] for s in report["steps"]}["gpu_tests"] == "not selected"
+
+
+def test_only_with_an_unknown_step_name_is_refused(tmp_path, capsys):
+    gc = _gpu_check_module()
+    with pytest.raises(SystemExit) as exc:
+        gc.main(["--out", str(tmp_path), "--dry-run", "--only", "gpu_test"])
+    assert exc.value.code == 2 and "unknown steps ['gpu_test']" in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """Our mHC weights (model/hc.py) against transformers' DeepseekV4HyperConnection: the same numbers
-(to the last bit or two) with fewer ops, on the numpy Sinkhorn path (CPU, no autograd) and on the torch path."""
+(to the last bit or two) with fewer ops. The module comparison runs the numpy Sinkhorn (CPU, no
+autograd); the torch loop, which serves cuda, meta and autograd, is compared with the numpy
+loop bitwise, and the autograd tests run it end to end."""
 import pytest
 import torch
 

@@ -121,7 +121,8 @@ class MtpDrafter:
             src = sel
             fparent = (1 + (s - 1) * k + chosen // k).cpu()
         if self.record:
-            self._record(requests, steps_rows, step_ids, rec_parents, k)
+            with torch.inference_mode(False):  # records are the caller's: ordinary tensors
+                self._record(requests, steps_rows, step_ids, rec_parents, k)
         cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
         score_list, token_list, parents_list = cpu(score_list), cpu(token_list), cpu(parents_list)
         org = organize_draft_results(score_list, token_list, parents_list, n)

@@ -66,7 +66,8 @@ class Model:
 def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
     layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
-    Never touches the network.
+    Never touches the network, except quantized="keep", where transformers loads its FP8
+    kernel build through the `kernels` package (its cache or the Hugging Face Hub).
 
     device / dtype: None keeps a wrapped module's own (a directory loads as fp32 on the CPU);
     given, a wrapped module is moved in place (nn.Module.to). quantized: for an FP8 / FP4

@@ -50,12 +50,14 @@ def rows_experts(experts) -> str:
     """The routed-experts implementation for packed rows on `experts`' device and dtype.
     "grouped_mm" sorts rows by expert and runs one grouped GEMM with offsets on the device: no
     host synchronisation and no data-dependent shapes, unlike HF's default eager loop over hit
-    experts (`nonzero()`). torch's CUDA grouped GEMM is native for bf16 only; for other dtypes it
-    reads the offsets on the host, which breaks CUDA-graph capture and syncs every layer, so
-    there "batched_mm" is used: it gathers each row's expert weights (also sync-free, per-row
-    results independent of the batch; its cost grows with rows x expert size)."""
+    experts (`nonzero()`). For fp32 weights on cuda, torch's grouped GEMM reads the offsets on
+    the host (a sync per MoE layer; CUDA-graph capture fails), so there "batched_mm" is used:
+    each row gathers its experts' weights (sync-free; its scratch grows with rows x top-k x
+    expert size, fine for fp32, a debugging dtype). Every other case, transformers' kept FP8
+    experts (their own grouped kernels) and fp16 included, stays on "grouped_mm"
+    (design_notes/device-path.md)."""
     w = experts.gate_up_proj
-    return "batched_mm" if w.device.type == "cuda" and w.dtype != torch.bfloat16 else "grouped_mm"
+    return "batched_mm" if w.device.type == "cuda" and w.dtype == torch.float32 else "grouped_mm"
 
 
 # implementations run_rows replaces with rows_experts' choice: transformers' defaults (it
@@ -91,8 +93,8 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
     ties = torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
-    experts = experts or rows_experts(hf.layers[0].mlp.experts)
-    with experts_implementation(model.hf.config, experts):
+    first = hf.layers[0].mlp.experts
+    with experts_implementation(first.config, experts or rows_experts(first)):
         for layer, layer_pools in zip(hf.layers, pools):
             h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
             if n_ties is not None:

@@ -5,9 +5,10 @@ experts, shards) both go through `from_pretrained`; transformers' conversion map
 the release keys. A quantised checkpoint is dequantised while loading by default
 (quantized="dequantize": FineGrainedFP8Config(dequantize=True), on any device). quantized="keep"
 keeps transformers' FP8 modules on a CUDA device; their GEMMs come from transformers'
-finegrained-fp8 kernel, which transformers loads through the `kernels` package (a kernel hub
-build): without that package the modules cannot run, so "keep" is refused up front instead of
-failing at the first forward. Tensors the checkpoint stores in higher precision (bf16 norms,
+finegrained-fp8 kernel, which transformers loads through the `kernels` package from its cache
+or the Hugging Face Hub (the one place loading may touch the network). "keep" loads that kernel
+up front and is refused with CheckpointError if it cannot, instead of failing at the first
+forward. "dequantize" builds the dense model on the host and then moves it to the device. Tensors the checkpoint stores in higher precision (bf16 norms,
 embeddings, ...) are then cast to the requested dtype; kept FP8 / FP4 weights and their scales
 are left as they are."""
 from __future__ import annotations
@@ -47,6 +48,13 @@ def check_keep_fp8(device) -> None:
         raise CheckpointError("quantized='keep' runs transformers' FP8 modules, whose GEMMs need the `kernels` "
                               "package (transformers' finegrained-fp8 kernel build); it is not installed. "
                               "Install it, or load with quantized='dequantize'")
+    from transformers.integrations import finegrained_fp8
+
+    try:  # transformers loads the kernel build through `kernels` (its cache, or the Hugging Face Hub)
+        finegrained_fp8.load_finegrained_fp8_kernel()
+    except Exception as exc:  # noqa: BLE001 - any failure here means the modules cannot run
+        raise CheckpointError(f"quantized='keep': transformers' finegrained-fp8 kernel could not be loaded "
+                              f"({type(exc).__name__}: {exc}); load with quantized='dequantize'") from exc
 
 
 def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "dequantize") -> DeepseekV4ForCausalLM:
@@ -66,6 +74,9 @@ def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "
     if not isinstance(dtype, torch.dtype):
         raise InputError(f"dtype must be a torch.dtype, got {dtype!r}")
     quant = quantization(path)
+    if quant is None and quantized == "keep":
+        raise InputError(f"quantized='keep' keeps FP8 modules, but {path} holds no quantised checkpoint "
+                         "(config.json has no quantization_config)")
     kwargs = {}
     if quant is not None:
         from transformers import FineGrainedFP8Config
