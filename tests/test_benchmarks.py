@@ -7,22 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_blocker import blocker_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Makes matplotlib uninstalled in the child: every finder returns nothing for it.
-BLOCK_AND_RUN = r"""
-import runpy, sys
-class Blocked:
-    def __init__(self, finder):
-        self.finder = finder
-    def find_spec(self, name, path=None, target=None):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            return None
-        return self.finder.find_spec(name, path, target)
-    def __getattr__(self, attr):
-        return getattr(self.finder, attr)
-sys.meta_path[:] = [Blocked(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+BLOCK_AND_RUN = "import runpy, sys\n" + blocker_source("matplotlib") + r"""
+block()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from child_blocker import blocker_source
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # importlib.util.find_spec("triton") is None. Every Triton lookup records whether a frame of
 # this project's code was on the stack.
 PROBE = r"""
-import json, os, sys, traceback
+import json, os, sys, traceback""" + blocker_source("triton") + r"""
 ROOT = os.getcwd()
 OURS = (os.path.join(ROOT, "kernels") + os.sep, os.path.join(ROOT, "dsv4_tree") + os.sep)
 BLOCK = os.environ["DSV4_TREE_TEST_BLOCK_TRITON"] == "1"
@@ -30,18 +32,8 @@ class Tracer:
                 ours_imported_triton.append(name)
         return None
 
-class Blocked:
-    def __init__(self, finder):
-        self.finder = finder
-    def find_spec(self, name, path=None, target=None):
-        if name == "triton" or name.startswith("triton."):
-            return None
-        return self.finder.find_spec(name, path, target)
-    def __getattr__(self, attr):
-        return getattr(self.finder, attr)
-
 if BLOCK:
-    sys.meta_path[:] = [Blocked(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+    block()
 sys.meta_path.insert(0, Tracer())
 
 import transformers

@@ -25,6 +25,7 @@ from dsv4_tree.model.tiny import RELEASE_TINY_OVERRIDES, random_model, random_mt
 from dsv4_tree.reference import per_path_logits, relative_error
 from safetensors import safe_open
 from test_generate import hf_greedy
+from transformers.utils import is_kernels_available
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -273,6 +274,16 @@ def test_quantized_mode_is_checked_before_loading(monkeypatch):
         dt.load_model(release_dir(), device="cuda", quantized="keep")
 
 
+def cuda_verify_error(model) -> float:
+    """Tree verify of a 14-node tree on cuda against per-path runs of the same model."""
+    eng = engine_for(model, topk=3, steps=6, nodes=14)
+    p = prompt(45, 11).cuda()
+    tree = random_tree(int(p[-1]), 14, 6, 3, seed=20)
+    tree = dt.DraftTree(tree.tokens.cuda(), tree.parents.cuda())
+    out = eng.verify([eng.prefill(p)], [tree])
+    return relative_error(out.logits[0], per_path_logits(model, p[:-1], tree, apply_tie_rule=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and DSV4_TREE_GPU=1")
 def test_gpu_dequantized_release_verify_matches_per_path():
@@ -280,24 +291,22 @@ def test_gpu_dequantized_release_verify_matches_per_path():
     layer = model.hf.model.layers[1]
     assert type(layer.self_attn.q_b_proj) is torch.nn.Linear and layer.self_attn.q_b_proj.weight.is_cuda
     assert layer.mlp.experts.gate_up_proj.dtype == torch.float32
-    eng = engine_for(model, topk=3, steps=6, nodes=14)
-    p = prompt(45, 11).cuda()
-    tree = random_tree(int(p[-1]), 14, 6, 3, seed=20)
-    tree = dt.DraftTree(tree.tokens.cuda(), tree.parents.cuda())
-    out = eng.verify([eng.prefill(p)], [tree])
-    ref = per_path_logits(model, p[:-1], tree, apply_tie_rule=False)
-    assert relative_error(out.logits[0], ref) < REL_TOL
+    assert cuda_verify_error(model) < REL_TOL
+
+
+KERNELS = is_kernels_available()  # transformers' FP8 modules need the `kernels` package
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs CUDA and DSV4_TREE_GPU=1")
-def test_gpu_keep_fp8_modules_or_refuse_without_their_kernel():
-    from transformers.utils import is_kernels_available
+@pytest.mark.skipif(not GPU or KERNELS, reason="needs CUDA and DSV4_TREE_GPU=1, without the `kernels` package")
+def test_gpu_keep_is_refused_without_the_kernels_package():
+    with pytest.raises(dt.CheckpointError, match=r"need the `kernels` package"):
+        dt.load_model(release_dir(), device="cuda", dtype=torch.float32, quantized="keep")
 
-    if not is_kernels_available():  # the machine cannot run transformers' FP8 modules: refused up front
-        with pytest.raises(dt.CheckpointError, match=r"need the `kernels` package"):
-            dt.load_model(release_dir(), device="cuda", dtype=torch.float32, quantized="keep")
-        pytest.skip("refusal checked; the kept-FP8 verify needs the `kernels` package, absent here")
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or not KERNELS, reason="needs CUDA and DSV4_TREE_GPU=1, and the `kernels` package")
+def test_gpu_keep_fp8_modules_and_verify_matches_per_path():
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
     model = dt.load_model(release_dir(), device="cuda", dtype=torch.float32, quantized="keep")
@@ -306,12 +315,6 @@ def test_gpu_keep_fp8_modules_or_refuse_without_their_kernel():
     assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn and layer.self_attn.q_b_proj.weight.is_cuda
     assert isinstance(layer.mlp.experts, FP8Experts) and layer.mlp.experts.gate_up_proj.dtype == torch.int8
     assert model.hf.lm_head.weight.dtype == torch.float32  # stored bf16, cast to the dtype asked
-    eng = engine_for(model, topk=3, steps=6, nodes=14)
-    p = prompt(45, 11).cuda()
-    tree = random_tree(int(p[-1]), 14, 6, 3, seed=20)
-    tree = dt.DraftTree(tree.tokens.cuda(), tree.parents.cuda())
-    out = eng.verify([eng.prefill(p)], [tree])
-    ref = per_path_logits(model, p[:-1], tree, apply_tie_rule=False)
     # FP8 GEMMs quantise activations per row (1 x 128 groups) on both sides, so rows are
     # independent, but an upstream 1e-6 difference can flip one activation's FP8 rounding
-    assert relative_error(out.logits[0], ref) < 1e-2
+    assert cuda_verify_error(model) < 1e-2
