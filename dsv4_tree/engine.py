@@ -26,6 +26,8 @@ __all__ = ["Engine", "Request", "VerifyOutput"]
 
 def packed_max_depth(trees, sizes, starts) -> list:
     """Max depth of every tree, from one pointer-jumping pass over all trees packed together."""
+    if sum(sizes) == len(trees):  # every tree a lone root (plain decoding): depth 0, no pass
+        return [0] * len(trees)
     parents = torch.cat([t.parents for t in trees])
     offset = torch.repeat_interleave(torch.tensor(starts), torch.tensor(sizes), output_size=parents.numel())
     depth = depth_by_pointer_jumping(torch.where(parents >= 0, parents + offset, parents))
@@ -130,9 +132,7 @@ class Engine:
         for b, (req, root) in enumerate(zip(requests, tokens[starts].tolist())):
             if root != req.root_token:
                 raise InputError(f"trees[{b}] root token {root} is not the request's pending root token {req.root_token}")
-        # every tree a lone root (plain decoding): depth 0, no pointer-jumping pass
-        depths = [0] * len(trees) if tokens.numel() == len(trees) else packed_max_depth(trees, sizes, starts)
-        for b, (req, depth) in enumerate(zip(requests, depths)):
+        for b, (req, depth) in enumerate(zip(requests, packed_max_depth(trees, sizes, starts))):
             if enforce_limits and depth > self.limits.max_depth:
                 raise InputError(f"trees[{b}] has depth {depth}; num_steps allows {self.limits.max_depth}")
             if req.seq_len + depth >= self.limits.max_positions:

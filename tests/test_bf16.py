@@ -53,4 +53,7 @@ def test_bf16_model_on_the_triton_backend_matches_the_torch_backend(device):
         eng = dt.Engine(bf16, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16, attention_backend=backend))
         logits[backend] = eng.verify([eng.prefill(p)], [tree]).logits[0].float()
     err = row_errors(logits["triton"], logits["torch"])
+    # two bf16 paths (kernel vs torch ops) round differently at every layer; measured 3.2e-2 on
+    # CPU (the interpreter truncates the kernel's bf16 output cast), under the 4.1e-2 this
+    # file's other test measured for our bf16 verify against fp32, so 5e-2
     assert torch.isfinite(logits["triton"]).all() and err.max() < 5e-2, err

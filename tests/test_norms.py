@@ -25,7 +25,7 @@ def test_fp32_equals_the_modules(layer, rows):
              (attn.kv_norm, attn.head_dim), (attn.q_b_norm, attn.head_dim), (layer.attn_hc.input_norm, 64)]
     for module, d in cases:
         x = torch.randn(1, rows, 3, d) * 3
-        with torch.no_grad():
+        with torch.no_grad():  # same expression; the fused op may reduce in another order (1e-6, not bitwise)
             torch.testing.assert_close(rms_norm(module, x), module(x), rtol=1e-6, atol=0, msg=type(module).__name__)
 
 
