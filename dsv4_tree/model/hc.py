@@ -66,6 +66,11 @@ def _mix(module, streams: torch.Tensor) -> torch.Tensor:
     return F.linear(flat, module.fn.float())
 
 
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The block input: streams [B, S, hc, d] weighted by pre [B, S, hc] and summed."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
 def hc_weights(module, streams: torch.Tensor):
     """DeepseekV4HyperConnection(streams) -> (post [B, S, hc], comb [B, S, hc, hc], collapsed [B, S, d])."""
     hc = module.hc_mult
@@ -77,13 +82,11 @@ def hc_weights(module, streams: torch.Tensor):
     post = 2 * gates[..., hc:]
     comb = torch.softmax(z[..., 2 * hc :].view(b, s, hc, hc), dim=-1) + module.hc_eps
     comb = sinkhorn(comb, module.hc_sinkhorn_iters, module.hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-    return post, comb, collapsed
+    return post, comb, _collapse(pre, streams)
 
 
 def hc_collapse(module, streams: torch.Tensor) -> torch.Tensor:
     """Only the collapsed block input of hc_weights (no post, no comb)."""
     hc = module.hc_mult
     z = _mix(module, streams)[..., :hc] * module.scale[0] + module.base[:hc]
-    pre = torch.sigmoid(z) + module.hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return _collapse(torch.sigmoid(z) + module.hc_eps, streams)
