@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.forward import experts_implementation, rows_experts
-from ..model.hc import hc_collapse, hc_weights
+from ..attention.layer import kv_rows as layer_kv_rows
+from ..model.hc import hc_collapse, hc_merge, hc_weights
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, rope_pairs
 from ..reference.ops import ref_sparse_mqa_sink
@@ -42,13 +43,6 @@ def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positio
     return h, cos, sin
 
 
-def _kv(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
-    """K=V rows of layer inputs x [1, T, hidden] -> [T, head_dim]."""
-    t, d = x.shape[1], attn.head_dim
-    kv = rms_norm(attn.kv_norm, attn.kv_proj(x)).view(1, t, 1, d).transpose(1, 2)
-    return apply_rope(kv, cos, sin)[0, 0]
-
-
 @torch.inference_mode()
 def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Only the K=V rows the draft layer stores for these inputs ([T, head_dim]): a row's K=V
@@ -56,7 +50,7 @@ def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: t
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
     layer = mtp.decoder
     collapsed = hc_collapse(layer.attn_hc, h)
-    return _kv(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), cos, sin)
+    return layer_kv_rows(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), cos, sin, apply_rope)
 
 
 @torch.inference_mode()
@@ -70,22 +64,21 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     layer, attn = mtp.decoder, mtp.decoder.self_attn
     t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
-    dtype = h.dtype
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = rms_norm(layer.input_layernorm, collapsed)
     q = attn.q_b_proj(rms_norm(attn.q_a_norm, attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
     q = apply_rope(rms_norm(attn.q_b_norm, q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
-    kv = _kv(attn, x, cos, sin)
+    kv = layer_kv_rows(attn, x, cos, sin, apply_rope)
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
     out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
     out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d]
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
-    h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    h = hc_merge(post, comb, attn_out, h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     experts = layer.mlp.experts
     with experts_implementation(experts.config, rows_experts(experts)):
         mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids.unsqueeze(0))
-    h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    h = hc_merge(post, comb, mlp_out, h)
     logits = model.hf.lm_head(rms_norm(mtp.norm, mtp.hc_head(h)))[0]
     return MtpRows(logits, h[0], kv)

@@ -9,7 +9,7 @@ import torch
 
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
-from .hc import hc_weights
+from .hc import hc_merge, hc_weights
 from .norms import rms_norm
 from .rope import apply_rope, rope_pairs
 
@@ -35,15 +35,13 @@ def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
 
 def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, ids):
     """One DeepseekV4DecoderLayer (mHC, attention, MoE) over packed rows. h [1, T, hc, hidden]."""
-    dtype = h.dtype
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     attn_out, ties = attention_rows(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), plan, pools, rope, ops,
                                     apply_rope)
-    h = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    h = hc_merge(post, comb, attn_out, h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids)
-    h = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
-    return h, ties
+    return hc_merge(post, comb, mlp_out, h), ties
 
 
 def rows_experts(experts) -> str:

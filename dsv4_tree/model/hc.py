@@ -13,7 +13,8 @@ cost. `hc_weights` computes the same numbers (same formulas, same order, fp32):
   elsewhere the torch loop (`sinkhorn_torch`, also the reference the tests compare against).
 
 `hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
-only the block input (the MTP drafter's draft-extend rows)."""
+only the block input (the MTP drafter's draft-extend rows); `hc_merge` folds a block's output
+back into the streams."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,3 +91,10 @@ def hc_collapse(module, streams: torch.Tensor) -> torch.Tensor:
     hc = module.hc_mult
     z = _mix(module, streams)[..., :hc] * module.scale[0] + module.base[:hc]
     return _collapse(torch.sigmoid(z) + module.hc_eps, streams)
+
+
+def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The streams after a block: its output expanded by post plus the input streams mixed by
+    comb (transformers' decoder layer, in the streams' dtype). streams [B, S, hc, d]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
