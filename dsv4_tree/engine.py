@@ -18,7 +18,7 @@ from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
 from .tree.draft_tree import DraftTree, depth_by_pointer_jumping
-from .verify.accept import Acceptance, greedy_path
+from .verify.accept import Acceptance, greedy_walk
 from .verify.sampling import sample_path, target_probs
 
 __all__ = ["Engine", "Request", "VerifyOutput"]
@@ -229,8 +229,11 @@ class Engine:
         """Longest path where each node is the target's argmax at its parent (SGLang order)."""
         self._check_out(requests, trees, out)
         accs = []
+        # one argmax and one host copy for the whole batch (out.logits[b] are slices of run.logits)
+        targets = out.run.logits[: sum(out.plan.num_nodes)].argmax(-1).tolist()
         for b, (req, tree) in enumerate(zip(requests, trees)):
-            path, bonus = greedy_path(tree, out.logits[b])
+            o, n = out.plan.offsets[b], out.plan.num_nodes[b]
+            path, bonus = greedy_walk(tree, targets[o : o + n])
             accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
         self._last = out
         return accs

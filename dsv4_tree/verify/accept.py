@@ -34,7 +34,12 @@ def greedy_path(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
     Host walk over plain ints (one argmax per row, no tensor ops per node): from the root,
     take the first child in sibling order (= lowest local id) whose token is the target's
     argmax at the current node. Equal to verify_tree_greedy (tests/test_greedy_path.py)."""
-    target = logits.argmax(-1).tolist()
+    return greedy_walk(tree, logits.argmax(-1).tolist())
+
+
+def greedy_walk(tree: DraftTree, target: list) -> tuple[list, int]:
+    """greedy_path from the target's argmax per node, already on the host (a list of N ints):
+    a batch reads all its argmaxes with one device-to-host copy (Engine.accept_greedy)."""
     n = tree.num_nodes
     if n == 1:
         return [0], target[0]
