@@ -84,12 +84,10 @@ def ancestor_table(parents: torch.Tensor, width: int) -> torch.Tensor:
 class _Rows:
     """Packed per-row host facts the tables are built from."""
 
-    req: torch.Tensor  # [T] request index b
     row: torch.Tensor  # [T] page-table row
     node: torch.Tensor  # [T] local node id
     seq_len: torch.Tensor  # [T] P of the row's request
     pos: torch.Tensor  # [T]
-    depth: torch.Tensor  # [T]
     anc: torch.Tensor  # [T, Dmax + 1]
     recent: torch.Tensor  # [T] recent slot of each node's token slot
 
@@ -152,7 +150,7 @@ def build_tables(trees, seq_lens, req_rows, pages: PageTable, layout: Layout) ->
     pos = seq_len + depth
     width = int(depth.max()) + 1
     token = pages.token_slots(row, seq_len + node)
-    rows = _Rows(req, row, node, seq_len, pos, depth, ancestor_table(parents, width), pages.recent_slots(token))
+    rows = _Rows(row, node, seq_len, pos, ancestor_table(parents, width), pages.recent_slots(token))
     w = layout.window
     q = pos.unsqueeze(1) - torch.arange(w)  # newest first
     swa = _source_slots(rows, pages, torch.arange(pos.shape[0]), q)
