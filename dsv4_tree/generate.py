@@ -92,6 +92,11 @@ def resolve_sampling(accept: str, temperature, top_p) -> float | None:
 def _check_args(max_new_tokens, eos_token_id, generator) -> None:
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_stop_args(eos_token_id, generator)
+
+
+def check_stop_args(eos_token_id, generator) -> None:
+    """eos_token_id and generator of generate and generate_batch."""
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
     if eos_token_id is not None and not all(_is_int(t) for t in eos):
         raise InputError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")

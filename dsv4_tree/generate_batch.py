@@ -9,7 +9,7 @@ import time
 
 from .drafters.registry import resolve_drafter
 from .errors import InputError
-from .generate import GenerateResult, GenerateStats, check_room, resolve_sampling, truncate
+from .generate import GenerateResult, GenerateStats, check_room, check_stop_args, resolve_sampling, truncate
 from .progress import token_bar
 
 
@@ -30,6 +30,7 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=No
     """One GenerateResult per prompt, in order. max_new_tokens: one int or one per prompt.
     Greedy results equal per-prompt `generate` token for token."""
     budgets = _budgets(prompts, max_new_tokens)
+    check_stop_args(eos_token_id, generator)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
     reqs = []

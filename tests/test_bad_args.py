@@ -51,6 +51,17 @@ def test_generate_arguments(setup, kwargs, match):
         eng.generate(prompt(10, 2), **args)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(eos_token_id=1.5), "eos_token_id must be an int"),
+    (dict(eos_token_id=[1, "a"]), "eos_token_id must be an int"),
+    (dict(generator=3), "generator must be a torch.Generator"),
+])
+def test_generate_batch_checks_what_generate_checks(setup, kwargs, match):
+    _, eng, _ = setup
+    with pytest.raises(dt.InputError, match=match):
+        eng.generate_batch([prompt(10, 2), prompt(12, 3)], 4, progress=False, **kwargs)
+
+
 def test_sampling_arguments(setup):
     _, eng, req = setup
     tree = random_tree(req.root_token, 6, 3, 2, 1)
