@@ -104,7 +104,7 @@ def test_exception_inside_steps_leaves_request_usable(monkeypatch):
             eng.verify([req], [tree])
     out = eng.verify([req], [tree])
     with monkeypatch.context() as m:  # inside accept
-        m.setattr(engine_mod, "greedy_path", boom)
+        m.setattr(engine_mod, "greedy_walk", boom)
         with pytest.raises(RuntimeError):
             eng.accept_greedy([req], [tree], out)
     acc = eng.accept_greedy([req], [tree], out)
