@@ -7,13 +7,14 @@ Hugging Face `model.hf.generate` (greedy, its own cache) measured in the same pr
 case's output must equal Hugging Face's. Budgets: N verify rows per round (chain: N-1 draft
 steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (tokens per
 verify there is per request; "verifies" counts verify calls, one per round for the batch).
-Each case runs --repeats times (same output each time) and the fastest run is reported, HF's
-included. Human table first, one JSON line last. --quick finishes in about 30 s on 2 cores."""
+Each case runs --repeats times (same output each time), the cases taking turns in every
+repeat, and each case's fastest run is reported, HF's included. Human table first, one JSON line last. --quick finishes in about 30 s on 2 cores."""
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -21,8 +22,11 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.train.corpus import heldout_prompt
 
-# N -> (steps of the topk-2 tree, steps of the topk-4 tree)
-TREE_STEPS = {4: (2, 2), 8: (4, 3), 16: (6, 5)}
+# N -> (steps of the topk-2 tree, steps of the topk-4 tree). At N = 8 the topk-4 tree drafts
+# 2 steps: they already offer 20 candidates for its 7 draft slots; a third step adds one more
+# draft pass per round for +0.05 tokens per verify on the trained checkpoint (2.51 against
+# 2.46 with 128 new bytes), so it loses in tokens/s (design_notes/mtp-drafter.md).
+TREE_STEPS = {4: (2, 2), 8: (4, 2), 16: (6, 5)}
 
 
 def single_cases(budgets) -> list:
@@ -57,18 +61,27 @@ def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes):
     return [r.tokens for r in results], sum(r.stats.rounds for r in results), max(r.stats.rounds for r in results)
 
 
-def timed(repeats, fn, *args):
-    """(output, seconds): the fastest of `repeats` runs (timings on a shared machine are noisy;
-    every run must give the same output)."""
-    best, out = None, None
+def timed_rounds(repeats, jobs, log=None):
+    """jobs: [(fn, args)] -> [(output, seconds)]: each job's fastest of `repeats` runs, the jobs
+    run in turn in every repeat (round-robin), so a slow spell of the shared machine hits every
+    case rather than the one running then. Every run of a job must give the same output."""
+    best, outs = [None] * len(jobs), [None] * len(jobs)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        got = fn(*args)
-        secs = time.perf_counter() - t0
-        if out is not None and got != out:
-            raise RuntimeError(f"{getattr(fn, '__name__', fn)}: repeated runs gave different outputs")
-        out, best = got, secs if best is None else min(best, secs)
-    return out, best
+        for j, (fn, args) in enumerate(jobs):
+            t0 = time.perf_counter()
+            got = fn(*args)
+            secs = time.perf_counter() - t0
+            if outs[j] is not None and got != outs[j]:
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)}: repeated runs gave different outputs")
+            outs[j], best[j] = got, secs if best[j] is None else min(best[j], secs)
+        if log is not None:
+            log(f"repeat {_ + 1}/{repeats}: {len(jobs)} cases run")
+    return list(zip(outs, best))
+
+
+def timed(repeats, fn, *args):
+    """(output, seconds) of one job: timed_rounds with a single job."""
+    return timed_rounds(repeats, [(fn, args)])[0]
 
 
 def main(argv=None):
@@ -112,18 +125,23 @@ def main(argv=None):
               + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
         return rec["tokens_per_s"]
 
-    want, secs = timed(args.repeats, hf_generate, model, prompts, new)
-    hf_rate = report("HF generate (its own cache)", want, None, secs, want)
-    for label, kind, topk, steps, nodes in single_cases(budgets):
-        (outs, rounds), secs = timed(args.repeats, run_single, model, prompts, new, eos, kind, topk, steps, nodes)
-        report(label, outs, rounds, secs, want, hf_rate)
+    cases = single_cases(budgets)
     batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes))]
-    batch_want, secs = timed(args.repeats, hf_generate, model, batch_prompts[: sizes[0]], batch_new)
+    jobs = [(hf_generate, (model, prompts, new))]
+    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes)) for _, kind, topk, steps, nodes in cases]
+    jobs += [(hf_generate, (model, batch_prompts[: sizes[0]], batch_new))]
+    jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, 4, TREE_STEPS[8][1], 8)) for size in sizes]
+    results = iter(timed_rounds(args.repeats, jobs, log=lambda line: print(line, file=sys.stderr, flush=True)))
+    want, secs = next(results)
+    hf_rate = report("HF generate (its own cache)", want, None, secs, want)
+    for label, *_ in cases:
+        (outs, rounds), secs = next(results)
+        report(label, outs, rounds, secs, want, hf_rate)
+    batch_want, secs = next(results)
     batch_hf = report(f"HF generate, {batch_new} new", batch_want, None, secs, batch_want)
     for size in sizes:
-        ps = batch_prompts[:size]
-        want_b = hf_generate(model, ps, batch_new)
-        (outs, rounds, calls), secs = timed(args.repeats, run_batch, model, ps, batch_new, eos, 4, 3, 8)
+        want_b = hf_generate(model, batch_prompts[:size], batch_new)
+        (outs, rounds, calls), secs = next(results)
         report(f"generate_batch x{size} tree topk4 N=8", outs, rounds, secs, want_b, batch_hf, calls)
     print(json.dumps({"bench": "accept", "threads": torch.get_num_threads(), "quick": args.quick, "repeats": args.repeats,
                       "records": records}))

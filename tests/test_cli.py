@@ -12,7 +12,7 @@ def test_demo_chain_and_tree(capsys):
     assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
     out = capsys.readouterr().out
     assert "rel_err" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
-    assert "topk=1 num_steps=3 num_draft_tokens=4" in out and "topk=4 num_steps=3 num_draft_tokens=8" in out
+    assert "topk=1 num_steps=3 num_draft_tokens=4" in out and "topk=4 num_steps=2 num_draft_tokens=8" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("compare: chain (topk=1 N=4)") and "| tree (topk=4 N=8)" in last
     assert last.count("PASS") == 2 and last.count("tokens/verify") == 2 and last.count("tokens/s") == 2

@@ -106,6 +106,40 @@ def test_draft_extend_tracks_commits():
     assert torch.allclose(a.window, b.window, atol=1e-4)
 
 
+def test_draft_folds_the_extend_into_step_0(monkeypatch):
+    """A draft runs the rows committed since the last draft in its step-0 pass (no separate
+    extend pass) and leaves the caches a separate extend would: two requests, one past the
+    window (8) and one inside it, over rounds that commit different path lengths."""
+    import dsv4_tree.drafters.mtp as mtp_module
+
+    model = mtp_model()
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
+    folded = MtpDrafter(model, TreeShape(2, 3, 6))
+    separate = MtpDrafter(model, TreeShape(2, 3, 6), mtp=folded.mtp)
+    reqs = [eng.prefill(prompt(15, 4)), eng.prefill(prompt(5, 5))]
+
+    def no_extend(*args):
+        raise AssertionError("a draft ran the separate extend pass")
+
+    for rnd in range(4):
+        with monkeypatch.context() as m:
+            m.setattr(mtp_module, "extend", no_extend)
+            trees = folded.draft(eng, reqs)
+        for cache, want in zip([folded.caches[r.request_id] for r in reqs], separate.sync(reqs)):
+            assert cache.seq_len == want.seq_len
+            assert cache.window.shape == want.window.shape
+            torch.testing.assert_close(cache.window, want.window, rtol=0, atol=1e-5)
+            assert torch.equal(cache.prev_hidden, want.prev_hidden)
+        out = eng.verify(reqs, trees)
+        accs = eng.accept_greedy(reqs, trees, out)
+        # round 0 keeps the greedy paths; later rounds commit the deepest path of request 0
+        if rnd:
+            leaf = int(trees[0].leaves[torch.argmax(trees[0].depth[trees[0].leaves])])
+            path = trees[0].path[leaf][trees[0].path[leaf] >= 0]
+            accs[0] = dt.Acceptance(tuple(path.tolist()), 7, reqs[0].request_id, out.verify_id)
+        eng.commit(reqs, accs, out)
+
+
 def test_checkpoint_without_mtp_is_a_clear_error(tmp_path):
     cfg = dt.tiny_config(max_position_embeddings=512)
     model = dt.load_model(write_random_checkpoint(tmp_path / "no_mtp", cfg, with_mtp=False))

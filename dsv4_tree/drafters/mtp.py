@@ -6,8 +6,8 @@ attending to its request's draft-cache window, its ancestors' rows from earlier 
 kept from when they were computed) and itself. All live requests go through one pass of the
 layer per step. Children are scored by cumulative probability and the best topk expanded
 next; organize_draft_results + build_tree (SGLang-compatible) give the verify trees.
-eagle_topk = 1 is the chain MTP drafter. Before drafting, the draft cache is extended over
-the rows the target committed since the last draft (Request.new_hidden). Per-request state
+eagle_topk = 1 is the chain MTP drafter. The rows the target committed since the last draft
+(Request.new_hidden) enter the draft cache in step 0's pass (mtp_cache.root_step). Per-request state
 lives in `caches` until `release(req)` (Engine.release calls it)."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ..model.mtp import MtpBlock, load_mtp
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
-from .mtp_cache import DraftCache, extend, window_index
-from .mtp_rows import MtpRows, run_rows
+from .mtp_cache import DraftCache, extend, fold_back, root_step, window_index
+from .mtp_rows import MtpRows, head_logits, layer_rows, run_rows
 
 
 @dataclass
@@ -57,15 +57,23 @@ class MtpDrafter:
         self.caches.pop(req.request_id, None)
         self.records.pop(req.request_id, None)
 
-    def sync(self, requests) -> list:
-        """Draft-extend the caches of requests; returns them in order."""
+    def _caches(self, requests) -> list:
+        """Each request's draft cache (a new empty one for a request not drafted for before)."""
         for req in requests:
             if getattr(req, "released", False):
                 raise StateError(f"request {req.request_id} was released; it cannot be drafted for")
-        caches = [self.caches.get(r.request_id) or DraftCache.empty(self.model) for r in requests]
-        extend(self.model, self.mtp, caches, requests)
+        return [self.caches.get(r.request_id) or DraftCache.empty(self.model) for r in requests]
+
+    def _keep(self, requests, caches) -> None:
         for req, cache in zip(requests, caches):
             self.caches[req.request_id] = cache
+
+    def sync(self, requests) -> list:
+        """Draft-extend the caches of requests; returns them in order. (A draft folds this
+        extend into its step 0 instead: `mtp_cache.root_step`.)"""
+        caches = self._caches(requests)
+        extend(self.model, self.mtp, caches, requests)
+        self._keep(requests, caches)
         return caches
 
     def draft(self, engine, requests) -> list:
@@ -77,15 +85,20 @@ class MtpDrafter:
     def expand(self, requests) -> DraftExpansion:
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         model, w = self.model, self.model.window
-        caches = self.sync(requests)
+        caches = self._caches(requests)
         b, dev = len(requests), model.device
-        seq = torch.tensor([r.seq_len for r in requests], device=dev)
+        # step 0, with the draft-extend of the rows committed since the last draft in the same pass
+        step = root_step(model, caches, requests)
+        h, kv = layer_rows(model, self.mtp, step.ids, step.hidden_in, step.positions, step.table, step.index)
+        fold_back(model, step, caches, requests, kv)
+        self._keep(requests, caches)
+        e = step.num_pending  # the pending rows need no logits
+        rows = MtpRows(head_logits(model, self.mtp, h[:, e:]), h[0, e:], kv[e:])
+        roots = step.ids[e:]
+        seq = step.positions[e:]
         lengths = torch.tensor([c.window.shape[0] for c in caches])  # host: index tables are built there
-        roots = torch.tensor([r.root_token for r in requests], device=dev)
         table = torch.cat([c.window for c in caches])
         m = table.shape[0]
-        index = torch.cat([window_index(lengths, 0, 1, w, dev), (m + torch.arange(b, device=dev)).unsqueeze(1)], 1)
-        rows = run_rows(model, self.mtp, roots, torch.stack([c.prev_hidden for c in caches]), seq, table, index)
         steps_rows, step_ids = [rows], [roots]
         table = torch.cat([table, rows.raw])
         fscore, ftok = torch.softmax(rows.logits.float(), -1).topk(k, dim=-1)  # [B, K]

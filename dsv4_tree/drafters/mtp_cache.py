@@ -4,6 +4,8 @@ DraftCache holds, per request, the draft layer's K=V rows of the last `sliding_w
 committed positions (plain tensors) and the target streams at seq_len - 1 (the next root
 row's input). `extend` brings a batch of caches up to their requests after prefill/commit
 (the draft-extend step), from the target streams the engine left in Request.new_hidden.
+`root_step` folds that draft-extend into a draft's step 0: the pending rows and the root rows
+go through the layer in one pass (`fold_back` then stores the pending rows' K=V).
 `window_index` lists, for draft rows at one depth, the window rows they may attend to."""
 from __future__ import annotations
 
@@ -64,6 +66,66 @@ def extend(model, mtp, caches: list, requests: list) -> None:
         cache.window = torch.cat([cache.window, rows])[-model.window :]
         cache.seq_len = req.seq_len
         cache.prev_hidden = last.clone()
+
+
+@dataclass
+class RootStep:
+    """Step 0 of a draft with the draft-extend folded in. Rows: every request's pending rows
+    (positions cache.seq_len .. seq_len - 1, at most the window), then one root row per request
+    (the pending token at seq_len). `table` is the caches' windows before the extend; a pending
+    row's index lists only itself (only its K=V is kept), a root row's lists its visible window
+    rows, its request's pending rows and itself."""
+
+    ids: torch.Tensor  # [T]
+    hidden_in: torch.Tensor  # [T, hc, d]
+    positions: torch.Tensor  # [T]
+    table: torch.Tensor  # [M, head_dim]
+    index: torch.Tensor  # [T, K] ids into table ++ the T rows, -1 = none
+    pending: list  # per request: (number of pending rows, target streams at seq_len - 1 or None)
+    num_pending: int  # rows before the roots
+
+
+def root_step(model, caches: list, requests: list) -> RootStep:
+    """The rows and index lists of step 0 for requests whose caches may lag behind them."""
+    w, dev = model.window, model.device
+    table = torch.cat([c.window for c in caches])
+    m = table.shape[0]
+    parts = [_pending(model, c, r) if r.seq_len != c.seq_len else None for c, r in zip(caches, requests)]
+    counts = [0 if p is None else p[0].shape[0] for p in parts]
+    e = sum(counts)
+    index = [[m + j] for j in range(e)]
+    old_start = ext_start = 0
+    for b, (cache, req, n) in enumerate(zip(caches, requests, counts)):
+        lo = req.seq_len - w + 1  # first position the root row at seq_len sees
+        old = cache.window.shape[0]
+        first_old = cache.seq_len - old  # position of window row 0
+        ids = [old_start + j for j in range(old) if first_old + j >= lo]
+        ids += [m + ext_start + j for j in range(n) if req.seq_len - n + j >= lo]
+        index.append(ids + [m + e + b])
+        old_start += old
+        ext_start += n
+    width = max(len(ids) for ids in index)
+    index = torch.tensor([ids + [-1] * (width - len(ids)) for ids in index], device=dev)
+    todo = [p for p in parts if p is not None]
+    roots = torch.tensor([r.root_token for r in requests], device=dev)
+    last = [c.prev_hidden if p is None else p[3] for c, p in zip(caches, parts)]
+    seq = torch.tensor([r.seq_len for r in requests], device=dev)
+    return RootStep(torch.cat([p[0] for p in todo] + [roots]),
+                    torch.cat([p[1] for p in todo] + [torch.stack(last)]),
+                    torch.cat([p[2] for p in todo] + [seq]), table, index,
+                    [(n, None if p is None else p[3]) for n, p in zip(counts, parts)], e)
+
+
+def fold_back(model, step: RootStep, caches: list, requests: list, raw: torch.Tensor) -> None:
+    """Store the pending rows' K=V (raw [T, head_dim] of the step's rows) in the caches."""
+    start = 0
+    for cache, req, (n, last) in zip(caches, requests, step.pending):
+        if last is None:
+            continue
+        cache.window = torch.cat([cache.window, raw[start : start + n]])[-model.window :]
+        cache.seq_len = req.seq_len
+        cache.prev_hidden = last.clone()
+        start += n
 
 
 def window_index(lengths: torch.Tensor, depth: int, rows_per_request: int, window: int, device=None) -> torch.Tensor:

@@ -4,7 +4,8 @@ The draft layer is one DeepSeek-V4 decoder layer with compress ratio 0, so a row
 a list of K=V rows: some already computed (the draft cache window, rows of earlier draft
 steps) and the rows being computed now. `run_rows` takes those as one key table plus a
 per-row index list into `table ++ new rows` and runs the Hugging Face modules' weights with
-the reference sparse attention op; `kv_rows` computes only the K=V rows (draft-extend)."""
+the reference sparse attention op (`layer_rows` is the same without the head: a draft's step 0
+needs no logits for its pending rows); `kv_rows` computes only the K=V rows (draft-extend)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 from ..model.forward import experts_implementation, rows_experts
 from ..attention.layer import kv_rows as layer_kv_rows
 from ..model.hc import hc_collapse, hc_merge, hc_weights
+from ..model.moe import moe_rows
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, rope_pairs
 from ..reference.ops import ref_sparse_mqa_sink
@@ -61,6 +63,19 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     ids [T] tokens; hidden_in [T, hc, d] input streams; positions [T] RoPE positions;
     table [M, head_dim] K=V rows computed earlier; index [T, K] ids into table ++ the T new
     rows (new row t is M + t), -1 = no key. Each row must list itself."""
+    h, kv = layer_rows(model, mtp, ids, hidden_in, positions, table, index)
+    return MtpRows(head_logits(model, mtp, h), h[0], kv)
+
+
+def head_logits(model, mtp, h: torch.Tensor) -> torch.Tensor:
+    """Output streams h [1, T, hc, d] -> logits [T, vocab] (hc_head, norm, the shared LM head)."""
+    return model.hf.lm_head(rms_norm(mtp.norm, mtp.hc_head(h)))[0]
+
+
+@torch.inference_mode()
+def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
+               table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_rows without the head: -> (output streams [1, T, hc, d], K=V rows [T, head_dim])."""
     layer, attn = mtp.decoder, mtp.decoder.self_attn
     t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
     h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
@@ -78,7 +93,6 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
     experts = layer.mlp.experts
     with experts_implementation(experts.config, rows_experts(experts)):
-        mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids.unsqueeze(0))
+        mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids.unsqueeze(0))
     h = hc_merge(post, comb, mlp_out, h)
-    logits = model.hf.lm_head(rms_norm(mtp.norm, mtp.hc_head(h)))[0]
-    return MtpRows(logits, h[0], kv)
+    return h, kv

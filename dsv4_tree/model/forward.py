@@ -10,6 +10,7 @@ import torch
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
 from .hc import hc_merge, hc_weights
+from .moe import moe_rows
 from .norms import rms_norm
 from .rope import apply_rope, rope_pairs
 
@@ -40,7 +41,7 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
                                     apply_rope)
     h = hc_merge(post, comb, attn_out, h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
-    mlp_out = layer.mlp(rms_norm(layer.post_attention_layernorm, collapsed), input_ids=ids)
+    mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids)
     return hc_merge(post, comb, mlp_out, h), ties
 
 
