@@ -4,7 +4,7 @@ import torch
 
 from dsv4_tree.diagnostics import OpCounter
 from dsv4_tree.model.hf_bindings import apply_rotary_pos_emb
-from dsv4_tree.model.rope import apply_rope, rope_pairs
+from dsv4_tree.model.rope import apply_rope, rope_pairs, rope_tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,9 +18,9 @@ def test_rope_equals_transformers(dtype, shape, rope_dim):
     c2, s2 = rope_pairs(cos, sin)
     for s, ours in ((sin, s2), (-sin, -s2)):  # forward rope; the inverse rope of attention outputs
         want = apply_rotary_pos_emb(x, cos, s)
-        got = apply_rope(x, c2, ours)
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        for got in (apply_rope(x, c2, ours), apply_rope(x, *rope_tables(c2, ours, shape[-1]))):  # pair, full width
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
 def test_rope_uses_fewer_ops():
@@ -31,3 +31,19 @@ def test_rope_uses_fewer_ops():
     with OpCounter() as theirs:
         apply_rotary_pos_emb(x, cos, sin)
     assert ours.total < 0.6 * theirs.total, (ours.total, theirs.total)  # 11 vs 21 with torch 2.13
+
+
+def test_full_width_tables_take_fewer_ops_and_refuse_a_width_without_room():
+    x, cos, sin = torch.randn(1, 4, 2, 32), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    c2, s2 = rope_pairs(cos, sin)
+    full = rope_tables(c2, s2, 32)  # once per forward and head width
+    assert full[0].shape == (1, 1, 2, 32)
+    with OpCounter() as pairs:
+        apply_rope(x, c2, s2)
+    with OpCounter() as wide:
+        apply_rope(x, *full)
+    assert wide.total <= pairs.total // 2, (wide.total, pairs.total)  # 6 vs 13 with torch 2.13
+    with pytest.raises(ValueError, match="width 12 cannot hold 8 rope pairs"):
+        rope_tables(c2, s2, 12)
+    with pytest.raises(ValueError, match="width 17"):
+        rope_tables(c2, s2, 17)

@@ -5,11 +5,12 @@ Reuses the Hugging Face module's weights and helpers (projections, norms, RoPE);
 the block reads its context: each row's window and compressed entries are index lists."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..model.norms import rms_norm
+from ..model.rope import rope_tables
 from ..reference.ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
@@ -18,10 +19,21 @@ from .compress import branch_entries
 
 @dataclass(frozen=True)
 class RowRope:
-    """cos/sin computed once per verify: for rows ("main"/"compress") and block starts."""
+    """cos/sin computed once per verify: for rows ("main"/"compress") and block starts.
+    `full` widens them to a head width (model/rope.py: rope_tables) once per verify."""
 
     rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (model/rope.py)
     blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]; None where no row closes a block
+    widened: dict = field(default_factory=dict)  # (label or ratio, width, inverse) -> full-width tables
+
+    def full(self, key, width: int, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width tables [1, 1, T (or E), width] of rows[key] (a label) or blocks[key] (a
+        ratio); inverse: the inverse rope's (-sin)."""
+        k = (key, width, inverse)
+        if k not in self.widened:
+            c, s = self.rows[key] if isinstance(key, str) else self.blocks[key]
+            self.widened[k] = rope_tables(c, -s if inverse else s, width)
+        return self.widened[k]
 
 
 def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
@@ -35,10 +47,10 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     """Write this layer's compressor rows and branch entries; -> (extra index [T, K], lengths [T], ties)."""
     comp = attn.compressor
     ct = plan.compress[comp.compress_rate]
-    cs = rope.blocks[comp.compress_rate]
     closes = ct.closing.shape[0] > 0  # a host-known shape: most decode steps close no block
     pools.main.write_rows(plan.out_loc, comp.kv_proj(x)[0], comp.gate_proj(x)[0])
     if closes:
+        cs = rope.full(comp.compress_rate, pools.main.head_dim)
         pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
     idx = getattr(comp, "indexer", None)
     if idx is None:
@@ -46,9 +58,10 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     t = plan.num_rows
     pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
     if closes:
+        cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
         pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope,
                                                                  ops.pool_entries))
-    ccos, csin = rope.rows["compress"]
+    ccos, csin = rope.full("compress", idx.head_dim)
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
     iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
@@ -61,7 +74,7 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
     Writes the rows' K=V, compressor rows and branch entries into the pools first."""
     t = plan.num_rows
     h, d = attn.num_heads, attn.head_dim
-    cos, sin = rope.rows[attn.rope_layer_type]
+    cos, sin = rope.full(attn.rope_layer_type, d)
     q_res = rms_norm(attn.q_a_norm, attn.q_a_proj(x))
     q = rms_norm(attn.q_b_norm, attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
     q = apply_rope(q, cos, sin)[0].transpose(0, 1).contiguous()  # [T, H, d]
@@ -72,6 +85,7 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
         extra = pools.main.entries
     out, _ = ops.sparse_decode(q, pools.swa, plan.swa_index, plan.swa_len, attn.sinks, attn.scaling,
                                extra, extra_index, extra_len)
-    out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)
+    inv_cos, inv_sin = rope.full(attn.rope_layer_type, d, inverse=True)
+    out = apply_rope(out.unsqueeze(0).transpose(1, 2), inv_cos, inv_sin).transpose(1, 2)
     grouped = attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2)
     return attn.o_b_proj(grouped), ties

@@ -17,7 +17,7 @@ from ..attention.layer import kv_rows as layer_kv_rows
 from ..model.hc import hc_collapse, hc_merge, hc_weights
 from ..model.moe import moe_rows
 from ..model.norms import rms_norm
-from ..model.rope import apply_rope, rope_pairs
+from ..model.rope import apply_rope, rope_pairs, rope_tables
 from ..reference.ops import ref_sparse_mqa_sink
 
 
@@ -78,7 +78,8 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     """run_rows without the head: -> (output streams [1, T, hc, d], K=V rows [T, head_dim])."""
     layer, attn = mtp.decoder, mtp.decoder.self_attn
     t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
-    h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
+    h, c, s = _layer_input(model, mtp, ids, hidden_in, positions)
+    cos, sin = rope_tables(c, s, d)  # full width (model/rope.py): once for q, K=V and the inverse
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = rms_norm(layer.input_layernorm, collapsed)
     q = attn.q_b_proj(rms_norm(attn.q_a_norm, attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
@@ -87,7 +88,7 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
     out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
-    out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d]
+    out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d] (inverse)
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
     h = hc_merge(post, comb, attn_out, h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)

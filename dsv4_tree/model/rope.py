@@ -7,7 +7,14 @@ per forward: C = (c, c) and S = (-s, s) per channel pair, [B, T, half, 2]. `appl
 rotates each pair (e, o) as (e, o) * C + (o, e) * S, that is e' = e*c + o*(-s) and
 o' = o*c + e*s: transformers' products and sums (e*c + (-o)*s rounds identically to
 e*c + o*(-s)), in fp32, so the result is bitwise the same. The inverse rope (attention outputs)
-passes -S, as transformers passes -sin. The leading nope channels pass through."""
+passes -S, as transformers passes -sin. The leading nope channels pass through.
+
+`rope_tables` widens pair tables to a head's full width once per forward: C = 1 and S = 0 on
+the nope channels, shaped [B, 1, T, width] to broadcast over heads. `apply_rope` given such
+tables rotates the whole row in one multiply-add with its pair-swapped copy (6 ops, against
+13 with pair tables: no slicing and no concatenation): the rope channels get the same products
+and sums as above, and a nope channel x becomes x*1 + x'*0 = x (for finite x; a -0.0 may come
+back as +0.0, which compares equal)."""
 from __future__ import annotations
 
 import torch
@@ -18,9 +25,27 @@ def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.stack([cos, cos], dim=-1), torch.stack([-sin, sin], dim=-1)
 
 
+def rope_tables(c: torch.Tensor, s: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair tables (C, S) [B, T, half, 2] -> full-width tables [B, 1, T, width] (fp32)."""
+    b, t, half = c.shape[:3]
+    nope = width - 2 * half
+    if nope < 0 or nope % 2:
+        raise ValueError(f"rope_tables: width {width} cannot hold {half} rope pairs after an even nope part")
+    ones = torch.ones(b, t, nope, dtype=torch.float32, device=c.device)
+    full_c = torch.cat([ones, c.float().flatten(-2)], -1).unsqueeze(1)
+    full_s = torch.cat([ones * 0, s.float().flatten(-2)], -1).unsqueeze(1)
+    return full_c, full_s
+
+
 def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
-    """x [..., d] with its last 2*half channels roped; (c, s) from rope_pairs, unsqueezed at
-    `unsqueeze_dim` to broadcast over heads, as in transformers' function."""
+    """x [..., d] with its last 2*half channels roped. (c, s): pair tables from rope_pairs,
+    unsqueezed at `unsqueeze_dim` to broadcast over heads as in transformers' function; or
+    full-width tables from rope_tables (last dim d), which broadcast as they are."""
+    if c.shape[-1] == x.shape[-1] and c.dim() == x.dim():  # full-width tables
+        y = x if x.dtype == torch.float32 else x.float()
+        swapped = y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        out = y * c + swapped * s
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     half = c.shape[-2]
     pairs = x[..., -2 * half :].float().unflatten(-1, (half, 2))
     rotated = pairs * c.unsqueeze(unsqueeze_dim) + pairs.flip(-1) * s.unsqueeze(unsqueeze_dim)
