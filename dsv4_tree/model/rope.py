@@ -12,7 +12,7 @@ passes -S, as transformers passes -sin. The leading nope channels pass through.
 `rope_tables` widens pair tables to a head's full width once per forward: C = 1 and S = 0 on
 the nope channels, shaped [B, 1, T, width] to broadcast over heads. `apply_rope` given such
 tables rotates the whole row in one multiply-add with its pair-swapped copy (6 ops, against
-13 with pair tables: no slicing and no concatenation): the rope channels get the same products
+11 with pair tables: no slicing and no concatenation): the rope channels get the same products
 and sums as above, and a nope channel x becomes x*1 + x'*0 = x (for finite x; a -0.0 may come
 back as +0.0, which compares equal)."""
 from __future__ import annotations
