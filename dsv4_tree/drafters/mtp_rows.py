@@ -14,7 +14,7 @@ import torch
 
 from ..model.forward import experts_implementation, rows_experts
 from ..attention.layer import kv_rows as layer_kv_rows
-from ..model.hc import hc_collapse, hc_merge, hc_weights
+from ..model.hc import hc_collapse, hc_head, hc_merge, hc_weights
 from ..model.moe import moe_rows
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, rope_pairs, rope_tables
@@ -69,7 +69,7 @@ def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: 
 
 def head_logits(model, mtp, h: torch.Tensor) -> torch.Tensor:
     """Output streams h [1, T, hc, d] -> logits [T, vocab] (hc_head, norm, the shared LM head)."""
-    return model.hf.lm_head(rms_norm(mtp.norm, mtp.hc_head(h)))[0]
+    return model.hf.lm_head(rms_norm(mtp.norm, hc_head(mtp.hc_head, h)))[0]
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
-from .hc import hc_merge, hc_weights
+from .hc import hc_head, hc_merge, hc_weights
 from .moe import moe_rows
 from .norms import rms_norm
 from .rope import apply_rope, rope_pairs
@@ -101,5 +101,5 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
     hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows]
-    logits = model.hf.lm_head(rms_norm(hf.norm, hf.hc_head(h)))[0]
+    logits = model.hf.lm_head(rms_norm(hf.norm, hc_head(hf.hc_head, h)))[0]
     return RowsRun(logits, ties, hidden)

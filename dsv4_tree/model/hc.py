@@ -14,7 +14,8 @@ cost. `hc_weights` computes the same numbers (same formulas, same order, fp32):
 
 `hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
 only the block input (the MTP drafter's draft-extend rows); `hc_merge` folds a block's output
-back into the streams."""
+back into the streams; `hc_head` is the final collapse (transformers' DeepseekV4HyperHead) with
+the norm fused and no no-op casts."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +34,15 @@ def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
         with torch.inference_mode(False):  # a normal tensor, so autograd callers can use it too
             _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
     return _SCALE_INDEX[key]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; no dispatched no-op cast when it already is (one fewer op per call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return _as(t, torch.float32)
 
 
 def sinkhorn_torch(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -63,13 +73,13 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def _mix(module, streams: torch.Tensor) -> torch.Tensor:
     """Normed, flattened streams [B, S, hc*d] through the module's projection -> [B, S, (2+hc)*hc]."""
     b, s = streams.shape[:2]
-    flat = rms_norm(module.input_norm, streams.view(b, s, -1).float())
-    return F.linear(flat, module.fn.float())
+    flat = rms_norm(module.input_norm, _f32(streams.view(b, s, -1)))
+    return F.linear(flat, _f32(module.fn))
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """The block input: streams [B, S, hc, d] weighted by pre [B, S, hc] and summed."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return _as((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
 
 
 def hc_weights(module, streams: torch.Tensor):
@@ -97,4 +107,12 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams:
     """The streams after a block: its output expanded by post plus the input streams mixed by
     comb (transformers' decoder layer, in the streams' dtype). streams [B, S, hc, d]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return _as(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(_as(comb, dtype).transpose(-1, -2), streams)
+
+
+def hc_head(module, streams: torch.Tensor) -> torch.Tensor:
+    """DeepseekV4HyperHead(streams): streams [B, S, hc, d] -> [B, S, d] (same formulas, fp32)."""
+    flat = rms_norm(module.input_norm, _f32(streams.flatten(2)))
+    mixes = F.linear(flat, _f32(module.hc_fn))
+    pre = torch.sigmoid(mixes * _f32(module.hc_scale) + _f32(module.hc_base)) + module.eps
+    return _collapse(pre, streams)

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .checkpoint_files import read_tensors
 from .hf_bindings import DeepseekV4Config
+from .norms import rms_norm
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperHead,
@@ -81,8 +82,8 @@ class MtpBlock(nn.Module):
 
     def inputs(self, embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embed [T, d] (token embeddings), hidden [T, hc, d] -> layer input [1, T, hc, d]."""
-        e = self.e_proj(self.enorm(embed))
-        return (e.unsqueeze(1) + self.h_proj(self.hnorm(hidden))).unsqueeze(0)
+        e = self.e_proj(rms_norm(self.enorm, embed))
+        return (e.unsqueeze(1) + self.h_proj(rms_norm(self.hnorm, hidden))).unsqueeze(0)
 
 
 def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:

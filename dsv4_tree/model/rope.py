@@ -31,9 +31,10 @@ def rope_tables(c: torch.Tensor, s: torch.Tensor, width: int) -> tuple[torch.Ten
     nope = width - 2 * half
     if nope < 0 or nope % 2:
         raise ValueError(f"rope_tables: width {width} cannot hold {half} rope pairs after an even nope part")
-    ones = torch.ones(b, t, nope, dtype=torch.float32, device=c.device)
-    full_c = torch.cat([ones, c.float().flatten(-2)], -1).unsqueeze(1)
-    full_s = torch.cat([ones * 0, s.float().flatten(-2)], -1).unsqueeze(1)
+    f32 = lambda x: x if x.dtype == torch.float32 else x.float()  # noqa: E731
+    kw = dict(dtype=torch.float32, device=c.device)
+    full_c = torch.cat([torch.ones(b, t, nope, **kw), f32(c).flatten(-2)], -1).unsqueeze(1)
+    full_s = torch.cat([torch.zeros(b, t, nope, **kw), f32(s).flatten(-2)], -1).unsqueeze(1)
     return full_c, full_s
 
 

@@ -49,16 +49,21 @@ class VerifyPlan:
     trees: tuple
 
     def to(self, device) -> "VerifyPlan":
-        """The plan with every tensor (also inside CompressTables) on `device`."""
+        """The plan with every tensor (also inside CompressTables) on `device` (the plan itself
+        when all already are)."""
+        dev = torch.device(device)
+
         def move(obj):
             changes = {}
             for f in fields(obj):
                 v = getattr(obj, f.name)
-                if isinstance(v, torch.Tensor):
-                    changes[f.name] = v.to(device)
+                if isinstance(v, torch.Tensor) and v.device != dev:
+                    changes[f.name] = v.to(dev)
                 elif isinstance(v, dict):
-                    changes[f.name] = {k: move(x) for k, x in v.items()}
-            return replace(obj, **changes)
+                    moved = {k: move(x) for k, x in v.items()}
+                    if any(moved[k] is not v[k] for k in v):
+                        changes[f.name] = moved
+            return replace(obj, **changes) if changes else obj
 
         return move(self)
 
