@@ -8,7 +8,8 @@ case's output must equal Hugging Face's. Budgets: N verify rows per round (chain
 steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (tokens per
 verify there is per request; "verifies" counts verify calls, one per round for the batch).
 Each case runs --repeats times (same output each time), the cases taking turns in every
-repeat, and each case's fastest run is reported, HF's included. Human table first, one JSON line last. --quick finishes in about 30 s on 2 cores."""
+repeat, and each case's fastest run is reported, HF's included. Human table first, one JSON
+line last. --quick finishes in about 30 s on 2 cores."""
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,7 @@ def timed_rounds(repeats, jobs, log=None):
     run in turn in every repeat (round-robin), so a slow spell of the shared machine hits every
     case rather than the one running then. Every run of a job must give the same output."""
     best, outs = [None] * len(jobs), [None] * len(jobs)
-    for _ in range(repeats):
+    for rep in range(repeats):
         for j, (fn, args) in enumerate(jobs):
             t0 = time.perf_counter()
             got = fn(*args)
@@ -75,7 +76,7 @@ def timed_rounds(repeats, jobs, log=None):
                 raise RuntimeError(f"{getattr(fn, '__name__', fn)}: repeated runs gave different outputs")
             outs[j], best[j] = got, secs if best[j] is None else min(best[j], secs)
         if log is not None:
-            log(f"repeat {_ + 1}/{repeats}: {len(jobs)} cases run")
+            log(f"repeat {rep + 1}/{repeats}: {len(jobs)} cases run")
     return list(zip(outs, best))
 
 
@@ -128,7 +129,8 @@ def main(argv=None):
     cases = single_cases(budgets)
     batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes))]
     jobs = [(hf_generate, (model, prompts, new))]
-    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes)) for _, kind, topk, steps, nodes in cases]
+    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes))
+             for _, kind, topk, steps, nodes in cases]
     jobs += [(hf_generate, (model, batch_prompts[: sizes[0]], batch_new))]
     jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, 4, TREE_STEPS[8][1], 8)) for size in sizes]
     results = iter(timed_rounds(args.repeats, jobs, log=lambda line: print(line, file=sys.stderr, flush=True)))

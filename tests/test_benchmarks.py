@@ -68,5 +68,6 @@ def test_bench_accept_timing_takes_the_fastest_and_refuses_changing_outputs():
     with pytest.raises(RuntimeError, match="different outputs"):
         bench.timed(2, lambda: next(calls))
     order = []  # several jobs take turns in every repeat
-    got = bench.timed_rounds(2, [(lambda x: order.append(x) or [x], ("a",)), (lambda x: order.append(x) or [x], ("b",))])
+    job = lambda x: order.append(x) or [x]  # noqa: E731
+    got = bench.timed_rounds(2, [(job, ("a",)), (job, ("b",))])
     assert order == ["a", "b", "a", "b"] and [out for out, _ in got] == [["a"], ["b"]]

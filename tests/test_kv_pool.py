@@ -47,8 +47,12 @@ def test_write_read_copy_bitwise(kv_dtype, compute_dtype, kind, head_dim, rope_d
     # any index shape, -1 reads as zeros
     grid = torch.stack([slots[:7], torch.full((7,), -1)], dim=1)  # [7, 2]
     got2 = pool.read(grid)
-    assert got2.shape == (7, 2, head_dim)
+    assert got2.shape == (7, 2, head_dim) and got2.is_contiguous()
     assert torch.equal(got2[:, 0], want[:7]) and (got2[:, 1] == 0).all()
+    # reads are fresh tensors (read fills the -1 rows in place): never a view of the storage
+    before = pool.record_bytes(slots)
+    pool.read(grid).fill_(1.0)
+    assert torch.equal(pool.record_bytes(slots), before)
     # record bytes: what the codec produces, or the raw storage dtype's bytes
     rec = pool.record_bytes(slots)
     assert rec.dtype == torch.uint8 and rec.shape == (100, pool.bytes_per_token)

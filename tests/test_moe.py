@@ -18,11 +18,13 @@ def block(layer: int, experts: int = 4, topk: int = 2, impl: str = "grouped_mm")
 @pytest.mark.parametrize("layer", [0, 2])  # hash routing, top-k routing
 @pytest.mark.parametrize("rows", [1, 8, 37])
 @pytest.mark.parametrize("experts,topk", [(4, 2), (8, 3)])
-def test_moe_rows_is_the_module_bitwise(layer, rows, experts, topk):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_rows_is_the_module_bitwise(layer, rows, experts, topk, dtype):
     hf, mlp = block(layer, experts, topk)
+    hf.to(dtype)
     assert mlp.is_hash == (layer == 0) and grouped_applies(mlp.experts)
     torch.manual_seed(rows)
-    x = torch.randn(1, rows, hf.config.hidden_size)
+    x = torch.randn(1, rows, hf.config.hidden_size).to(dtype)
     ids = torch.randint(0, hf.config.vocab_size, (1, rows))
     with torch.no_grad():
         want = mlp(x, input_ids=ids)

@@ -108,20 +108,22 @@ def test_draft_extend_tracks_commits():
 
 def test_draft_folds_the_extend_into_step_0(monkeypatch):
     """A draft runs the rows committed since the last draft in its step-0 pass (no separate
-    extend pass) and leaves the caches a separate extend would: two requests, one past the
-    window (8) and one inside it, over rounds that commit different path lengths."""
+    extend pass) and leaves the caches a separate extend would: three requests, one past the
+    window (8), one inside it, one already extended (no pending rows), over rounds that commit
+    different path lengths."""
     import dsv4_tree.drafters.mtp as mtp_module
 
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
     folded = MtpDrafter(model, TreeShape(2, 3, 6))
     separate = MtpDrafter(model, TreeShape(2, 3, 6), mtp=folded.mtp)
-    reqs = [eng.prefill(prompt(15, 4)), eng.prefill(prompt(5, 5))]
+    reqs = [eng.prefill(prompt(15, 4)), eng.prefill(prompt(5, 5)), eng.prefill(prompt(11, 6))]
 
     def no_extend(*args):
         raise AssertionError("a draft ran the separate extend pass")
 
     for rnd in range(4):
+        folded.sync(reqs[2:])  # request 2 has no pending rows at the draft
         with monkeypatch.context() as m:
             m.setattr(mtp_module, "extend", no_extend)
             trees = folded.draft(eng, reqs)

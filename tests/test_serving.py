@@ -19,6 +19,18 @@ def test_block_longer_than_a_page_matches_per_path():
     check_against_oracle(model, eng, [p], [tree], "page 16, ratio 128")
 
 
+def test_plan_to_its_own_device_is_the_plan_and_to_another_moves_every_table():
+    model = dt.load_model(dt.tiny_checkpoint())
+    eng = engine_for(model, nodes=8, steps=3)
+    req = eng.prefill(prompt(140, 2))
+    plan = eng.plan([req], [random_tree(req.root_token, 8, 3, 2, 1)])
+    assert plan.to("cpu") is plan and plan.to(torch.device("cpu")) is plan  # nothing to move
+    moved = plan.to("meta")
+    tensors = [moved.positions, moved.swa_index] + [t for ct in moved.compress.values() for t in (ct.entries, ct.src)]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert plan.positions.device.type == "cpu"  # the original is untouched
+
+
 def test_release_returns_every_page_and_row():
     model = small_model()
     eng = engine_for(model, page_size=16)

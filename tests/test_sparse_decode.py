@@ -122,6 +122,16 @@ def test_rows_without_keys_output_zero():
         assert torch.equal(lse, torch.full_like(lse, float("inf")))
 
 
+def test_reference_supports_autograd():
+    """The reference masks some of its fresh tensors in place; gradients must still flow (the
+    ones autograd keeps for backward are masked out of place)."""
+    args = decode_case("auto", 16, True, seed=5)
+    q, sinks = args["q"].clone().requires_grad_(True), args["sinks"].clone().requires_grad_(True)
+    out, lse = ref_sparse_decode(**{**args, "q": q, "sinks": sinks})
+    (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(sinks.grad).all() and q.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("empty", ("indices", "extra_indices"))
 def test_zero_width_index_table(empty):
     args = decode_case("fp8_e4m3", 16, True, t=4, k=5, k2=6, seed=3)

@@ -89,11 +89,11 @@ class MtpDrafter:
         b, dev = len(requests), model.device
         # step 0, with the draft-extend of the rows committed since the last draft in the same pass
         step = root_step(model, caches, requests)
-        h, kv = layer_rows(model, self.mtp, step.ids, step.hidden_in, step.positions, step.table, step.index)
+        e = step.num_pending  # the pending rows need only their K=V
+        h, kv = layer_rows(model, self.mtp, step.ids, step.hidden_in, step.positions, step.table, step.index, e)
         fold_back(model, step, caches, requests, kv)
         self._keep(requests, caches)
-        e = step.num_pending  # the pending rows need no logits
-        rows = MtpRows(head_logits(model, self.mtp, h[:, e:]), h[0, e:], kv[e:])
+        rows = MtpRows(head_logits(model, self.mtp, h), h[0], kv[e:])
         roots = step.ids[e:]
         seq = step.positions[e:]
         lengths = torch.tensor([c.window.shape[0] for c in caches])  # host: index tables are built there

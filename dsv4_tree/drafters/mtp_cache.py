@@ -61,26 +61,24 @@ def extend(model, mtp, caches: list, requests: list) -> None:
                   torch.cat([p[2] for p in parts]))
     start = 0
     for (cache, req), (ids, _, _, last) in zip(todo, parts):
-        rows = raw[start : start + ids.shape[0]]
+        _store(model, cache, req, raw[start : start + ids.shape[0]], last)
         start += ids.shape[0]
-        cache.window = torch.cat([cache.window, rows])[-model.window :]
-        cache.seq_len = req.seq_len
-        cache.prev_hidden = last.clone()
 
 
 @dataclass
 class RootStep:
     """Step 0 of a draft with the draft-extend folded in. Rows: every request's pending rows
     (positions cache.seq_len .. seq_len - 1, at most the window), then one root row per request
-    (the pending token at seq_len). `table` is the caches' windows before the extend; a pending
-    row's index lists only itself (only its K=V is kept), a root row's lists its visible window
-    rows, its request's pending rows and itself."""
+    (the pending token at seq_len). `table` is the caches' windows before the extend. Only the
+    root rows attend (mtp_rows.layer_rows with first = num_pending; a pending row needs only
+    its K=V); a root row's index lists its visible window rows, its request's pending rows and
+    itself."""
 
     ids: torch.Tensor  # [T]
     hidden_in: torch.Tensor  # [T, hc, d]
     positions: torch.Tensor  # [T]
     table: torch.Tensor  # [M, head_dim]
-    index: torch.Tensor  # [T, K] ids into table ++ the T rows, -1 = none
+    index: torch.Tensor  # [B, K] the root rows' keys: ids into table ++ the T rows, -1 = none
     pending: list  # per request: (number of pending rows, target streams at seq_len - 1 or None)
     num_pending: int  # rows before the roots
 
@@ -93,7 +91,7 @@ def root_step(model, caches: list, requests: list) -> RootStep:
     parts = [_pending(model, c, r) if r.seq_len != c.seq_len else None for c, r in zip(caches, requests)]
     counts = [0 if p is None else p[0].shape[0] for p in parts]
     e = sum(counts)
-    index = [[m + j] for j in range(e)]
+    index = []
     old_start = ext_start = 0
     for b, (cache, req, n) in enumerate(zip(caches, requests, counts)):
         lo = req.seq_len - w + 1  # first position the root row at seq_len sees
@@ -120,12 +118,16 @@ def fold_back(model, step: RootStep, caches: list, requests: list, raw: torch.Te
     """Store the pending rows' K=V (raw [T, head_dim] of the step's rows) in the caches."""
     start = 0
     for cache, req, (n, last) in zip(caches, requests, step.pending):
-        if last is None:
-            continue
-        cache.window = torch.cat([cache.window, raw[start : start + n]])[-model.window :]
-        cache.seq_len = req.seq_len
-        cache.prev_hidden = last.clone()
-        start += n
+        if last is not None:
+            _store(model, cache, req, raw[start : start + n], last)
+            start += n
+
+
+def _store(model, cache: DraftCache, req, rows: torch.Tensor, last: torch.Tensor) -> None:
+    """Append a request's new K=V rows to its window (keeping the last `window`) and its streams."""
+    cache.window = torch.cat([cache.window, rows])[-model.window :]
+    cache.seq_len = req.seq_len
+    cache.prev_hidden = last.clone()
 
 
 def window_index(lengths: torch.Tensor, depth: int, rows_per_request: int, window: int, device=None) -> torch.Tensor:

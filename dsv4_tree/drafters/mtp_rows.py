@@ -74,17 +74,23 @@ def head_logits(model, mtp, h: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
-               table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """run_rows without the head: -> (output streams [1, T, hc, d], K=V rows [T, head_dim])."""
+               table: torch.Tensor, index: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_rows without the head, and only K=V for rows before `first` (a draft's step 0: the
+    pending draft-extend rows need nothing else). index [T - first, K] lists keys of rows
+    first.. only. -> (output streams [1, T - first, hc, d], K=V rows of all T rows [T, head_dim])."""
     layer, attn = mtp.decoder, mtp.decoder.self_attn
-    t, nh, d = ids.shape[0], attn.num_heads, attn.head_dim
+    nh, d = attn.num_heads, attn.head_dim
     h, c, s = _layer_input(model, mtp, ids, hidden_in, positions)
     cos, sin = rope_tables(c, s, d)  # full width (model/rope.py): once for q, K=V and the inverse
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = rms_norm(layer.input_layernorm, collapsed)
+    kv = layer_kv_rows(attn, x, cos, sin, apply_rope)
+    if first:
+        h, post, comb, x = h[:, first:], post[:, first:], comb[:, first:], x[:, first:]
+        cos, sin, ids = cos[:, :, first:], sin[:, :, first:], ids[first:]
+    t = ids.shape[0]
     q = attn.q_b_proj(rms_norm(attn.q_a_norm, attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
     q = apply_rope(rms_norm(attn.q_b_norm, q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
-    kv = layer_kv_rows(attn, x, cos, sin, apply_rope)
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
     out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)

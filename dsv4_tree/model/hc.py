@@ -13,7 +13,8 @@ cost. `hc_weights` computes the same numbers (same formulas, same order, fp32):
   elsewhere the torch loop (`sinkhorn_torch`, also the reference the tests compare against).
 
 `hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
-only the block input (the MTP drafter's draft-extend rows); `hc_merge` folds a block's output
+only the block input (`MtpDrafter.sync`'s draft-extend rows; a draft folds the extend into its
+step 0, which needs comb for its root rows); `hc_merge` folds a block's output
 back into the streams; `hc_head` is the final collapse (transformers' DeepseekV4HyperHead) with
 the norm fused and no no-op casts."""
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .casts import as_dtype, f32
 from .norms import rms_norm
 
 _SCALE_INDEX: dict = {}
@@ -34,15 +36,6 @@ def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
         with torch.inference_mode(False):  # a normal tensor, so autograd callers can use it too
             _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
     return _SCALE_INDEX[key]
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in dtype; no dispatched no-op cast when it already is (one fewer op per call)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return _as(t, torch.float32)
 
 
 def sinkhorn_torch(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -73,13 +66,13 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def _mix(module, streams: torch.Tensor) -> torch.Tensor:
     """Normed, flattened streams [B, S, hc*d] through the module's projection -> [B, S, (2+hc)*hc]."""
     b, s = streams.shape[:2]
-    flat = rms_norm(module.input_norm, _f32(streams.view(b, s, -1)))
-    return F.linear(flat, _f32(module.fn))
+    flat = rms_norm(module.input_norm, f32(streams.view(b, s, -1)))
+    return F.linear(flat, f32(module.fn))
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """The block input: streams [B, S, hc, d] weighted by pre [B, S, hc] and summed."""
-    return _as((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
+    return as_dtype((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
 
 
 def hc_weights(module, streams: torch.Tensor):
@@ -107,12 +100,13 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams:
     """The streams after a block: its output expanded by post plus the input streams mixed by
     comb (transformers' decoder layer, in the streams' dtype). streams [B, S, hc, d]."""
     dtype = streams.dtype
-    return _as(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(_as(comb, dtype).transpose(-1, -2), streams)
+    mixed = torch.matmul(as_dtype(comb, dtype).transpose(-1, -2), streams)
+    return as_dtype(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
 def hc_head(module, streams: torch.Tensor) -> torch.Tensor:
     """DeepseekV4HyperHead(streams): streams [B, S, hc, d] -> [B, S, d] (same formulas, fp32)."""
-    flat = rms_norm(module.input_norm, _f32(streams.flatten(2)))
-    mixes = F.linear(flat, _f32(module.hc_fn))
-    pre = torch.sigmoid(mixes * _f32(module.hc_scale) + _f32(module.hc_base)) + module.eps
+    flat = rms_norm(module.input_norm, f32(streams.flatten(2)))
+    mixes = F.linear(flat, f32(module.hc_fn))
+    pre = torch.sigmoid(mixes * f32(module.hc_scale) + f32(module.hc_base)) + module.eps
     return _collapse(pre, streams)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .casts import as_dtype, f32
+
 
 def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' cos / sin [B, T, half] -> pair tables (C, S) [B, T, half, 2]."""
@@ -31,7 +33,6 @@ def rope_tables(c: torch.Tensor, s: torch.Tensor, width: int) -> tuple[torch.Ten
     nope = width - 2 * half
     if nope < 0 or nope % 2:
         raise ValueError(f"rope_tables: width {width} cannot hold {half} rope pairs after an even nope part")
-    f32 = lambda x: x if x.dtype == torch.float32 else x.float()  # noqa: E731
     kw = dict(dtype=torch.float32, device=c.device)
     full_c = torch.cat([torch.ones(b, t, nope, **kw), f32(c).flatten(-2)], -1).unsqueeze(1)
     full_s = torch.cat([torch.zeros(b, t, nope, **kw), f32(s).flatten(-2)], -1).unsqueeze(1)
@@ -42,11 +43,13 @@ def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, unsqueeze_dim:
     """x [..., d] with its last 2*half channels roped. (c, s): pair tables from rope_pairs,
     unsqueezed at `unsqueeze_dim` to broadcast over heads as in transformers' function; or
     full-width tables from rope_tables (last dim d), which broadcast as they are."""
-    if c.shape[-1] == x.shape[-1] and c.dim() == x.dim():  # full-width tables
-        y = x if x.dtype == torch.float32 else x.float()
-        swapped = y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        out = y * c + swapped * s
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if c.shape[-1] == x.shape[-1]:  # full-width tables (pair tables end in 2)
+        if c.dim() != x.dim():
+            raise ValueError(f"apply_rope: full-width tables {tuple(c.shape)} do not broadcast against "
+                             f"x {tuple(x.shape)} (rope_tables makes [B, 1, T, width] for x [B, H, T, width])")
+        y = f32(x)
+        out = y * c + y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * s
+        return as_dtype(out, x.dtype)
     half = c.shape[-2]
     pairs = x[..., -2 * half :].float().unflatten(-1, (half, 2))
     rotated = pairs * c.unsqueeze(unsqueeze_dim) + pairs.flip(-1) * s.unsqueeze(unsqueeze_dim)

@@ -29,7 +29,8 @@ def ref_pool_entries(
     kv, gate: [E, R, d]  R = m (C128) or 2m (C4: previous block's first half, then this
               block's second half); gate already includes the position bias (-inf = no row).
     cos, sin: the RoPE tables apply_rope takes, at each entry's block start w*m (transformers'
-              [1, E, rope_dim/2], or model/rope.py's pair tables [1, E, rope_dim/2, 2]).
+              [1, E, rope_dim/2], model/rope.py's pair tables [1, E, rope_dim/2, 2] or its
+              full-width tables [1, 1, E, d], what the engine passes).
     Returns [E, d]: RMSNorm(sum_r softmax_r(gate) * kv), then RoPE."""
     if kv.shape[0] == 0:
         return kv.new_zeros((0, kv.shape[-1]))

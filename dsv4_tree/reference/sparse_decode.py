@@ -38,11 +38,11 @@ def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extr
     qf = q.float()
     logits = torch.matmul(qf, rows.transpose(1, 2)) * scale  # [T, H, K + K2]
     invalid = ~valid.unsqueeze(1)
-    logits.masked_fill_(invalid, float("-inf"))  # fresh tensors below: filled in place
+    logits.masked_fill_(invalid, float("-inf"))  # a fresh product (its backward needs only the inputs)
     lse = torch.logsumexp(logits, dim=-1)  # [T, H]; -inf where no key
     sink = sinks.float().view(1, -1).expand_as(lse)
     total = torch.logaddexp(lse, sink)  # normaliser of keys + sink
-    probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill_(invalid, 0.0)
+    probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill(invalid, 0.0)  # exp's output: autograd keeps it
     out = torch.matmul(probs, rows)  # [T, H, d]
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     return out.to(q.dtype), lse

@@ -77,7 +77,7 @@ class KVPool:
             rows = self.storage[safe].to(self.compute_dtype)
         else:
             rows = dequantize_rows(*self._gather(safe), self.layout, self.compute_dtype)
-        rows.masked_fill_((flat < 0).unsqueeze(1), 0)  # rows is a fresh gather: fill in place
+        rows.masked_fill_((flat < 0).unsqueeze(1), 0)  # rows is a fresh tensor (never the storage): fill in place
         return rows.view(*slots.shape, self.head_dim)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:

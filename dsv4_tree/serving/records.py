@@ -189,4 +189,5 @@ def _dequantize_index_keys(data: torch.Tensor, scales: torch.Tensor, layout: Ind
                            dtype: torch.dtype) -> torch.Tensor:
     codes = _tiles(_e4m3_values(data), layout.block)  # [n, n_blocks, block]
     scale = scales.clone().view(torch.float32)  # [n, n_blocks]
-    return (codes * scale.unsqueeze(-1)).flatten(1)[:, : layout.dim].to(dtype)
+    # contiguous: a fresh tensor of the rows alone (KVPool.read fills it in place)
+    return (codes * scale.unsqueeze(-1)).flatten(1)[:, : layout.dim].to(dtype).contiguous()

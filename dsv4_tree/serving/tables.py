@@ -52,12 +52,13 @@ class VerifyPlan:
         """The plan with every tensor (also inside CompressTables) on `device` (the plan itself
         when all already are)."""
         dev = torch.device(device)
+        there = lambda t: t.device == dev or (dev.index is None and t.device.type == dev.type)  # noqa: E731
 
         def move(obj):
             changes = {}
             for f in fields(obj):
                 v = getattr(obj, f.name)
-                if isinstance(v, torch.Tensor) and v.device != dev:
+                if isinstance(v, torch.Tensor) and not there(v):
                     changes[f.name] = v.to(dev)
                 elif isinstance(v, dict):
                     moved = {k: move(x) for k, x in v.items()}
