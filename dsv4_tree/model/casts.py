@@ -1,8 +1,8 @@
 """dtype casts that dispatch nothing when the tensor already has the dtype.
 
 `t.to(dtype)` / `t.float()` on a tensor of that dtype returns it, but in inference mode it is
-still a dispatched op (~1 us on the CPU path); the mHC helpers and RoPE tables make dozens of
-such casts per decode step."""
+still a dispatched op (~1 us on the CPU path); the mHC helpers, RoPE tables, pool reads and the
+reference attention make dozens of such casts per decode step."""
 from __future__ import annotations
 
 import torch

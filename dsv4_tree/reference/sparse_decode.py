@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.casts import as_dtype, f32
+
 
 def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """indices [T, K], lengths [T] -> (rows [T, K, d] fp32, valid [T, K]); columns >= lengths[t] and -1 are invalid."""
@@ -17,8 +19,8 @@ def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch
     valid = (indices >= 0) & (cols.unsqueeze(0) < lengths.unsqueeze(1))
     if indices.shape[1] == 0:
         return torch.zeros(*indices.shape, pool.head_dim, device=indices.device), valid
-    slots = torch.where(valid, indices.long(), -1)
-    return pool.read(slots).float(), valid
+    slots = torch.where(valid, as_dtype(indices, torch.int64), -1)
+    return f32(pool.read(slots)), valid
 
 
 def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
@@ -35,17 +37,16 @@ def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extr
     if extra_kv is not None:
         xrows, xvalid = _row_keys(extra_kv, extra_indices, extra_lengths)
         rows, valid = torch.cat([rows, xrows], 1), torch.cat([valid, xvalid], 1)
-    qf = q.float()
-    logits = torch.matmul(qf, rows.transpose(1, 2)) * scale  # [T, H, K + K2]
+    logits = torch.matmul(f32(q), rows.transpose(1, 2)) * scale  # [T, H, K + K2]
     invalid = ~valid.unsqueeze(1)
     logits.masked_fill_(invalid, float("-inf"))  # a fresh product (its backward needs only the inputs)
     lse = torch.logsumexp(logits, dim=-1)  # [T, H]; -inf where no key
-    sink = sinks.float().view(1, -1).expand_as(lse)
+    sink = f32(sinks).view(1, -1).expand_as(lse)
     total = torch.logaddexp(lse, sink)  # normaliser of keys + sink
     probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill(invalid, 0.0)  # exp's output: autograd keeps it
     out = torch.matmul(probs, rows)  # [T, H, d]
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    return out.to(q.dtype), lse
+    return as_dtype(out, q.dtype), lse
 
 
 def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) -> torch.Tensor:
@@ -58,10 +59,10 @@ def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) 
     intermediate stays bounded."""
     t, c = cand.shape
     out = torch.empty(t, c, dtype=torch.float32, device=q.device)
-    qf, wf = q.float(), weights.float().unsqueeze(-1)
+    qf, wf = f32(q), f32(weights).unsqueeze(-1)
     for start in range(0, c, chunk):
         ids = cand[:, start : start + chunk]
-        k = keys.read(torch.where(ids < 0, -1, ids.long())).float()  # [T, chunk, dI]
+        k = f32(keys.read(torch.where(ids < 0, -1, as_dtype(ids, torch.int64))))  # [T, chunk, dI]
         s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
         out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
     return out

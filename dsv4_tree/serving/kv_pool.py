@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, InputError
+from ..model.casts import as_dtype
 from .records import IndexKeyLayout, RecordLayout, dequantize_rows, quantize_rows
 
 KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
@@ -74,7 +75,7 @@ class KVPool:
         flat = slots.reshape(-1)
         safe = flat.clamp_min(0)
         if self.layout is None:
-            rows = self.storage[safe].to(self.compute_dtype)
+            rows = as_dtype(self.storage[safe], self.compute_dtype)
         else:
             rows = dequantize_rows(*self._gather(safe), self.layout, self.compute_dtype)
         rows.masked_fill_((flat < 0).unsqueeze(1), 0)  # rows is a fresh tensor (never the storage): fill in place
