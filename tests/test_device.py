@@ -186,7 +186,7 @@ def test_cuda_prefill_verify_accept_commit_match_the_oracle(device):
 def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
     from types import SimpleNamespace
 
-    from dsv4_tree.model.forward import rows_experts
+    from dsv4_tree.model.moe import rows_experts
 
     def experts(device, dtype):
         return SimpleNamespace(gate_up_proj=SimpleNamespace(device=torch.device(device), dtype=dtype))
@@ -201,6 +201,20 @@ def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
     assert rows_experts(small_model().hf.model.layers[0].mlp.experts) == "grouped_mm"
 
 
+def test_meta_bf16_grouped_moe_stays_on_the_device():
+    """moe_rows' grouped path off the CPU (what a bf16 model on cuda runs: ints into histc,
+    transformers' grouped GEMM dispatcher) reached on the meta device, whose grouped GEMM takes bf16."""
+    from dsv4_tree.model.moe import grouped_applies, moe_rows
+
+    hf = random_model(small_config()).to(torch.bfloat16).to("meta")
+    mlp = hf.model.layers[2].mlp
+    assert grouped_applies(mlp.experts)
+    x = torch.randn(1, 5, hf.config.hidden_size, dtype=torch.bfloat16, device="meta")
+    with torch.inference_mode(), NoHostTensorsInDeviceOps():
+        out = moe_rows(mlp, x, None)
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(x.shape)
+
+
 def test_batched_and_grouped_experts_give_the_same_verify():
     model = dt.load_model(small_model().hf)
     eng = dt.Engine(model, SPEC)
@@ -208,7 +222,7 @@ def test_batched_and_grouped_experts_give_the_same_verify():
     tree = random_tree(int(p[-1]), 16, 8, 4, seed=5)
     grouped = eng.verify([eng.prefill(p)], [tree]).logits[0]
     before = model.hf.config._experts_implementation
-    model.hf.set_experts_implementation("batched_mm")  # a caller's choice is kept by run_rows
+    model.hf.set_experts_implementation("batched_mm")  # a caller's choice is kept by moe_rows
     try:
         eng2 = dt.Engine(model, SPEC)
         batched = eng2.verify([eng2.prefill(p)], [tree]).logits[0]
@@ -220,7 +234,7 @@ def test_batched_and_grouped_experts_give_the_same_verify():
 def test_transformers_default_experts_are_replaced_a_callers_choice_is_kept():
     from types import SimpleNamespace
 
-    from dsv4_tree.model.forward import experts_implementation
+    from dsv4_tree.model.moe import experts_implementation
 
     # transformers 5.23 defaults to grouped_mm (eager where torch lacks it): both are replaced,
     # so a default fp32 model on cuda gets batched_mm (the first H200 run caught grouped_mm there)

@@ -91,19 +91,13 @@ def root_step(model, caches: list, requests: list) -> RootStep:
     parts = [_pending(model, c, r) if r.seq_len != c.seq_len else None for c, r in zip(caches, requests)]
     counts = [0 if p is None else p[0].shape[0] for p in parts]
     e = sum(counts)
-    index = []
-    old_start = ext_start = 0
-    for b, (cache, req, n) in enumerate(zip(caches, requests, counts)):
-        lo = req.seq_len - w + 1  # first position the root row at seq_len sees
-        old = cache.window.shape[0]
-        first_old = cache.seq_len - old  # position of window row 0
-        ids = [old_start + j for j in range(old) if first_old + j >= lo]
-        ids += [m + ext_start + j for j in range(n) if req.seq_len - n + j >= lo]
-        index.append(ids + [m + e + b])
-        old_start += old
-        ext_start += n
-    width = max(len(ids) for ids in index)
-    index = torch.tensor([ids + [-1] * (width - len(ids)) for ids in index], device=dev)
+    # a root row at seq_len sees its old window as a draft row n (= its pending rows) deep would,
+    # and its pending rows (laid out after the table, positions seq_len - n ..) as a window at depth 0
+    pending = torch.tensor(counts)
+    old = window_index(torch.tensor([c.window.shape[0] for c in caches]), pending, 1, w)
+    new = window_index(pending, 0, 1, w)
+    roots_self = (m + e + torch.arange(len(caches))).unsqueeze(1)
+    index = torch.cat([old, torch.where(new >= 0, new + m, new), roots_self], 1).to(dev)
     todo = [p for p in parts if p is not None]
     roots = torch.tensor([r.root_token for r in requests], device=dev)
     last = [c.prev_hidden if p is None else p[3] for c, p in zip(caches, parts)]
@@ -130,11 +124,12 @@ def _store(model, cache: DraftCache, req, rows: torch.Tensor, last: torch.Tensor
     cache.prev_hidden = last.clone()
 
 
-def window_index(lengths: torch.Tensor, depth: int, rows_per_request: int, window: int, device=None) -> torch.Tensor:
+def window_index(lengths: torch.Tensor, depth, rows_per_request: int, window: int, device=None) -> torch.Tensor:
     """Window keys of the draft rows at `depth` (position seq_len + depth), per request.
 
     lengths [B] window rows per request (positions seq_len - w .. seq_len - 1; host bookkeeping,
-    a CPU tensor), laid out back to back from table row 0. Returns [B * rows_per_request,
+    a CPU tensor), laid out back to back from table row 0; depth: an int, or a CPU tensor [B]
+    (one per request). Returns [B * rows_per_request,
     max(lengths)] table ids on `device`, -1 = not visible (row j of request b, position
     seq_len - w + j, is visible when within the window). Built on the host: no device read."""
     width = int(lengths.max()) if lengths.numel() else 0

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.forward import experts_implementation, rows_experts
 from ..attention.layer import kv_rows as layer_kv_rows
 from ..model.hc import hc_collapse, hc_head, hc_merge, hc_weights
 from ..model.moe import moe_rows
@@ -98,8 +97,6 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
     h = hc_merge(post, comb, attn_out, h)
     post, comb, collapsed = hc_weights(layer.ffn_hc, h)
-    experts = layer.mlp.experts
-    with experts_implementation(experts.config, rows_experts(experts)):
-        mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids.unsqueeze(0))
+    mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids.unsqueeze(0))
     h = hc_merge(post, comb, mlp_out, h)
     return h, kv

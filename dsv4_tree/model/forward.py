@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import contextlib
-
 import torch
 
 from ..attention.layer import RowRope, attention_rows
@@ -45,59 +43,21 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
     return hc_merge(post, comb, mlp_out, h), ties
 
 
-def rows_experts(experts) -> str:
-    """The routed-experts implementation for packed rows on `experts`' device and dtype.
-    "grouped_mm" sorts rows by expert and runs one grouped GEMM with offsets on the device: no
-    host synchronisation and no data-dependent shapes, unlike HF's default eager loop over hit
-    experts (`nonzero()`). For fp32 weights on cuda, torch's grouped GEMM reads the offsets on
-    the host (a sync per MoE layer; CUDA-graph capture fails), so there "batched_mm" is used:
-    each row gathers its experts' weights (sync-free; its scratch grows with rows x top-k x
-    expert size, fine for fp32, a debugging dtype). Every other case, transformers' kept FP8
-    experts (their own grouped kernels) and fp16 included, stays on "grouped_mm"
-    (design_notes/device-path.md)."""
-    w = experts.gate_up_proj
-    return "batched_mm" if w.device.type == "cuda" and w.dtype == torch.float32 else "grouped_mm"
-
-
-# implementations run_rows replaces with rows_experts' choice: transformers' defaults (it
-# picks "grouped_mm" where torch can dispatch it, else "eager"); anything else was chosen by
-# the caller (batched_mm, a registered kernel) and stays
-REPLACED_EXPERTS = (None, "eager", "grouped_mm")
-
-
-@contextlib.contextmanager
-def experts_implementation(config, name: str):
-    """Run the routed experts reading `config` with transformers' `name` implementation inside
-    the block, restoring it after, unless the config holds a caller's choice (not in
-    REPLACED_EXPERTS)."""
-    before = config._experts_implementation
-    if before not in REPLACED_EXPERTS:
-        yield
-        return
-    config._experts_implementation = name
-    try:
-        yield
-    finally:
-        config._experts_implementation = before
-
-
 @torch.inference_mode()
-def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None,
-             experts: str | None = None) -> RowsRun:
+def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None) -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
-    logit_rows: packed rows to keep logits for (device tensor); experts: a transformers experts implementation (default: rows_experts)."""
+    logit_rows: packed rows to keep logits for (device tensor). The MoE layers pick their
+    experts implementation themselves (model/moe.py)."""
     hf = model.hf.model
     ids = plan.input_ids.unsqueeze(0)
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
     h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     rope = row_rope(model, plan, emb)
     ties = torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
-    first = hf.layers[0].mlp.experts
-    with experts_implementation(first.config, experts or rows_experts(first)):
-        for layer, layer_pools in zip(hf.layers, pools):
-            h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
-            if n_ties is not None:
-                ties = ties + n_ties
+    for layer, layer_pools in zip(hf.layers, pools):
+        h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
+        if n_ties is not None:
+            ties = ties + n_ties
     hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows]

@@ -1,9 +1,9 @@
 """DeepSeek-V4's MoE block (router, routed experts, shared expert) over packed rows, in fewer ops
-than transformers' module call.
+than transformers' module call, and the experts implementation packed rows run.
 
 `DeepseekV4SparseMoeBlock.forward` goes through its router module, then the experts
 implementation transformers dispatches to, then the shared-expert module. For the grouped
-implementation (`"grouped_mm"`, what `forward.rows_experts` picks everywhere except fp32 on
+implementation (`"grouped_mm"`, what `rows_experts` picks everywhere except fp32 on
 cuda) transformers' function sorts the (row, expert) pairs by expert, runs two grouped GEMMs and
 puts the pairs back in row order with an inverse permutation built by a scatter: about 30 tensor
 ops and several Python helper layers per call, made on every layer of every verify and draft
@@ -13,8 +13,11 @@ and `_apply_gate`, the same weighted sum over the top-k), so the output is bitwi
 module's (tests/test_moe.py); the inverse permutation is one `index_copy_`.
 
 Any other experts implementation (`batched_mm`, a caller's choice, transformers' kept FP8
-experts with their own kernels) runs the module's experts forward unchanged."""
+experts with their own kernels) runs the module's experts forward, with the implementation
+`chosen_experts` names set on its config for the call (`experts_implementation`)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.nn import functional as F
@@ -35,10 +38,53 @@ def route(gate, flat: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Ten
     return weights * gate.routed_scaling_factor, indices
 
 
+def rows_experts(experts) -> str:
+    """The routed-experts implementation for packed rows on `experts`' device and dtype.
+    "grouped_mm" sorts rows by expert and runs one grouped GEMM with offsets on the device: no
+    host synchronisation and no data-dependent shapes, unlike HF's default eager loop over hit
+    experts (`nonzero()`). For fp32 weights on cuda, torch's grouped GEMM reads the offsets on
+    the host (a sync per MoE layer; CUDA-graph capture fails), so there "batched_mm" is used:
+    each row gathers its experts' weights (sync-free; its scratch grows with rows x top-k x
+    expert size, fine for fp32, a debugging dtype). Every other case, transformers' kept FP8
+    experts (their own grouped kernels) and fp16 included, stays on "grouped_mm"
+    (design_notes/device-path.md)."""
+    w = experts.gate_up_proj
+    return "batched_mm" if w.device.type == "cuda" and w.dtype == torch.float32 else "grouped_mm"
+
+
+# implementations replaced with rows_experts' choice: transformers' defaults (it picks
+# "grouped_mm" where torch can dispatch it, else "eager"); anything else was chosen by the
+# caller (batched_mm, a registered kernel) and stays
+REPLACED_EXPERTS = (None, "eager", "grouped_mm")
+
+
+def chosen_experts(experts) -> str:
+    """The implementation packed rows run on `experts`: the caller's, when its config holds one
+    outside REPLACED_EXPERTS, else rows_experts'."""
+    own = experts.config._experts_implementation
+    return own if own not in REPLACED_EXPERTS else rows_experts(experts)
+
+
+@contextlib.contextmanager
+def experts_implementation(config, name: str):
+    """Run the routed experts reading `config` with transformers' `name` implementation inside
+    the block, restoring it after, unless the config holds a caller's choice (not in
+    REPLACED_EXPERTS)."""
+    before = config._experts_implementation
+    if before not in REPLACED_EXPERTS:
+        yield
+        return
+    config._experts_implementation = name
+    try:
+        yield
+    finally:
+        config._experts_implementation = before
+
+
 def grouped_applies(experts) -> bool:
     """Whether `experts` runs transformers' grouped implementation on plain expert weights
     (the case `grouped_experts` reproduces)."""
-    return (isinstance(experts, DeepseekV4Experts) and experts.config._experts_implementation == "grouped_mm"
+    return (isinstance(experts, DeepseekV4Experts) and chosen_experts(experts) == "grouped_mm"
             and experts.has_gate and not experts.has_bias and not experts.is_transposed
             and not experts.has_post_expert_norm and not experts._is_expert_parallel)
 
@@ -64,8 +110,10 @@ def moe_rows(mlp, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """DeepseekV4SparseMoeBlock(x, input_ids=ids): x [B, S, hidden], ids [B, S] -> [B, S, hidden]."""
     flat = x.reshape(-1, x.shape[-1])
     weights, indices = route(mlp.gate, flat, ids)
-    if grouped_applies(mlp.experts):
-        routed = grouped_experts(mlp.experts, flat, indices, weights)
+    experts = mlp.experts
+    if grouped_applies(experts):
+        routed = grouped_experts(experts, flat, indices, weights)
     else:
-        routed = mlp.experts(flat, indices, weights)
+        with experts_implementation(experts.config, chosen_experts(experts)):
+            routed = experts(flat, indices, weights)
     return routed.view(x.shape) + mlp.shared_experts(x)
