@@ -11,6 +11,7 @@ eagle_topk = 1 is the chain MTP drafter. The rows the target committed since the
 lives in `caches` until `release(req)` (Engine.release calls it)."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,13 @@ class DraftRecord:
     rows: MtpRows
 
 
+def _drop(drafter_ref, request_id: int) -> None:
+    """Finalizer of a request this drafter holds state for (the drafter itself is not kept alive)."""
+    drafter = drafter_ref()
+    if drafter is not None:
+        drafter.release_id(request_id)
+
+
 class MtpDrafter:
     def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False):
         self.model = model
@@ -54,8 +62,11 @@ class MtpDrafter:
 
     def release(self, req) -> None:
         """Drop every per-request state of req (called by Engine.release)."""
-        self.caches.pop(req.request_id, None)
-        self.records.pop(req.request_id, None)
+        self.release_id(req.request_id)
+
+    def release_id(self, request_id: int) -> None:
+        self.caches.pop(request_id, None)
+        self.records.pop(request_id, None)
 
     def _caches(self, requests) -> list:
         """Each request's draft cache (a new empty one for a request not drafted for before)."""
@@ -66,6 +77,8 @@ class MtpDrafter:
 
     def _keep(self, requests, caches) -> None:
         for req, cache in zip(requests, caches):
+            if req.request_id not in self.caches:  # a request dropped without release leaves nothing here
+                weakref.finalize(req, _drop, weakref.ref(self), req.request_id)
             self.caches[req.request_id] = cache
 
     def sync(self, requests) -> list:

@@ -31,7 +31,9 @@ class ServingRuntime:
     def __init__(self, model, spec, limits):
         self.model = model
         self.layout = make_layout(model, spec, limits)
-        self.pages = PageTable(spec.max_requests, limits.max_positions, spec.page_size,
+        # slots, not positions: draft node i sits at slot P + i while its position is P + depth,
+        # so a request near max_position_embeddings needs up to scratch_per_request slots past it
+        self.pages = PageTable(spec.max_requests, limits.max_positions + self.layout.scratch_per_request, spec.page_size,
                                self.layout.num_token_pages, self.layout.num_recent_pages)
         self.pools = build_pools(model, self.layout, spec.kv_cache_dtype)
 
@@ -49,11 +51,12 @@ class ServingRuntime:
         return build_tables(trees, seq_lens, rows, self.pages, self.layout)
 
     @torch.inference_mode()
-    def commit(self, rows, seq_lens, paths) -> None:
+    def commit(self, rows, seq_lens, paths, before_write=None) -> None:
         """Move accepted rows and entries into their committed slots, then free what no row can
-        read any more: pages past the new length, recent pages before new length - R."""
+        read any more: pages past the new length, recent pages before new length - R.
+        before_write: see apply_moves."""
         moves = plan_moves(self.pages, self.layout, rows, seq_lens, paths)
-        apply_moves(self.pools, moves.to(self.model.device))
+        apply_moves(self.pools, moves.to(self.model.device), before_write)
         new = [p + path.numel() for p, path in zip(seq_lens, paths)]
         self.pages.shrink(rows, new)
         self.pages.evict(rows, [n - self.layout.recent_window for n in new])
