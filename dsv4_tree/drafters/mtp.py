@@ -21,8 +21,8 @@ from ..model.mtp import MtpBlock, load_mtp
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
-from .mtp_cache import DraftCache, extend, fold_back, root_step, window_index
-from .mtp_rows import MtpRows, head_logits, layer_rows, run_rows
+from .mtp_cache import DraftCache, fold_back, root_step, window_index
+from .mtp_rows import MtpRows, draft_rows, head_logits, layer_rows
 
 
 @dataclass
@@ -81,14 +81,6 @@ class MtpDrafter:
                 weakref.finalize(req, _drop, weakref.ref(self), req.request_id)
             self.caches[req.request_id] = cache
 
-    def sync(self, requests) -> list:
-        """Draft-extend the caches of requests; returns them in order. (A draft folds this
-        extend into its step 0 instead: `mtp_cache.root_step`.)"""
-        caches = self._caches(requests)
-        extend(self.model, self.mtp, caches, requests)
-        self._keep(requests, caches)
-        return caches
-
     def draft(self, engine, requests) -> list:
         if self.shape.num_draft_tokens == 1:  # nothing to draft: the root alone
             return [DraftTree.chain([r.root_token]) for r in requests]
@@ -128,7 +120,7 @@ class MtpDrafter:
             if s >= w:  # ancestors that fell out of the window
                 a = torch.where(torch.arange(s, device=dev) > s - w, a, torch.full_like(a, -1))
             index = torch.cat([window_index(lengths, s, k, w, dev), a, (m + torch.arange(t, device=dev)).unsqueeze(1)], 1)
-            rows = run_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
+            rows = draft_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
                             (seq + s).repeat_interleave(k), table, index)
             steps_rows.append(rows)
             step_ids.append(ftok.reshape(t))

@@ -37,20 +37,40 @@ class Model:
         return self.config.sliding_window
 
     @property
-    def ratios(self) -> tuple:
-        """Compression ratios used by some layer (e.g. (4, 128))."""
-        out = set()
-        for layer in self.hf.model.layers:
-            comp = layer.self_attn.compressor
-            if comp is not None:
-                out.add(comp.compress_rate)
-        return tuple(sorted(out))
-
-    @property
     def rope_dim(self) -> int:
         """Channels of a head that carry RoPE (the trailing ones): 2 x the rotary table width."""
         rot = self.hf.model.rotary_emb
         return 2 * getattr(rot, "main_inv_freq").numel()
+
+    def layer_shapes(self) -> list:
+        """What the pools store per layer, as plain numbers (serving/pools.py: LayerShape)."""
+        from ..serving.pools import CompressorShape, LayerShape
+
+        out = []
+        for layer in self.hf.model.layers:
+            attn = layer.self_attn
+            comp = attn.compressor
+            main = indexer = None
+            if comp is not None:
+                overlap = isinstance(comp, DeepseekV4CSACompressor)
+                main = CompressorShape(comp.compress_rate, overlap, comp.head_dim)
+                if overlap:
+                    indexer = CompressorShape(comp.compress_rate, True, comp.indexer.head_dim)
+            out.append(LayerShape(attn.head_dim, main, indexer))
+        return out
+
+    def gate_biases(self) -> list:
+        """Per layer, compressor name ("main", "indexer") -> its gate position bias [m, channels]."""
+        out = []
+        for layer in self.hf.model.layers:
+            comp = layer.self_attn.compressor
+            found = {}
+            if comp is not None:
+                found["main"] = comp.position_bias
+                if getattr(comp, "indexer", None) is not None:
+                    found["indexer"] = comp.indexer.position_bias
+            out.append(found)
+        return out
 
     @property
     def compressors(self) -> dict:

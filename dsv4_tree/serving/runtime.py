@@ -35,7 +35,8 @@ class ServingRuntime:
         # so a request near max_position_embeddings needs up to scratch_per_request slots past it
         self.pages = PageTable(spec.max_requests, limits.max_positions + self.layout.scratch_per_request, spec.page_size,
                                self.layout.num_token_pages, self.layout.num_recent_pages)
-        self.pools = build_pools(model, self.layout, spec.kv_cache_dtype)
+        self.pools = build_pools(model.layer_shapes(), model.rope_dim, self.layout, spec.kv_cache_dtype,
+                                 model.device, model.dtype)
 
     def admit(self) -> int:
         return self.pages.admit()
@@ -62,7 +63,7 @@ class ServingRuntime:
         self.pages.evict(rows, [n - self.layout.recent_window for n in new])
 
     def committed_view(self, row: int, seq_len: int) -> list:
-        return committed_view(self.model, self.pools, self.pages, self.layout, row, seq_len)
+        return committed_view(self.pools, self.pages, self.layout, row, seq_len, self.model.gate_biases())
 
     def live_slots(self) -> dict:
         """Pages in use per pool (for leak checks)."""
