@@ -15,7 +15,7 @@ from .engine import Engine
 from .errors import Dsv4TreeError, InputError
 from .generate import resolve_sampling
 from .model.adapter import load_model
-from .model.tiny import trained_checkpoint
+from .checkpoint.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
 
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import StateError
-from ..model.mtp import MtpBlock, load_mtp
+from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
