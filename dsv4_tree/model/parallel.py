@@ -53,6 +53,9 @@ def distributed_config_for(tp: int | None = None, ep: int | None = None, ep_impl
     if ep_implementation not in EP_IMPLEMENTATIONS:
         raise InputError(f"ep_implementation must be one of {EP_IMPLEMENTATIONS}, got {ep_implementation!r}")
     if ep is None:
+        if ep_implementation != "auto":
+            raise InputError(f"ep_implementation={ep_implementation!r} applies to expert parallelism (ep); "
+                             "tensor parallelism alone (tp) has no token dispatch")
         return DistributedConfig(tp_size=tp)
     return DistributedConfig(tp_size=ep, ep_size=ep, ep_implementation=ep_implementation)
 
