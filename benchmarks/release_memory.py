@@ -51,11 +51,11 @@ def main(argv=None):
     ranks = per_rank(cfg, args.tp, args.ep) if args.tp or args.ep else {}
     print(json.dumps({"config": {k: getattr(cfg, k) for k in FIELDS},
                       **{label.strip(): [round(a, 3), round(b, 3)] for label, a, b in rows},
-                      **({"per_rank_gib": ranks} if ranks else {})}))
+                      **({"per_rank_bytes": ranks} if ranks else {})}))
 
 
 def per_rank(cfg, tps, eps) -> dict:
-    """Print the per-rank table (GiB, weights only: no KV pools or activations); return it."""
+    """Print the per-rank table (GiB, weights only: no KV pools or activations); return it in bytes."""
     gib, out = 2**30, {}
     heads = list(PARTS) + ["total", "+ MTP", "bf16 dequant", "+ MTP bf16"]
     print("\nper rank, GiB, weights only (release storage, UE8M0 scales: experts FP4, embed+head bf16 split by "
@@ -65,7 +65,7 @@ def per_rank(cfg, tps, eps) -> dict:
         r = rank_size(cfg, tp, ep)
         dense, mtp_dense = r.main.dense_bytes(torch.bfloat16), r.mtp.dense_bytes(torch.bfloat16)
         vals = [r.parts[p] for p in PARTS] + [r.total, r.total + r.mtp.file_bytes, dense, dense + mtp_dense]
-        out[label] = [round(v / gib, 2) for v in vals]
+        out[label] = vals
         print(f"{label:14}" + "".join(f"{v / gib:>13.2f}" for v in vals))
     return out
 

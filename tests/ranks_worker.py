@@ -118,6 +118,9 @@ def generation(sharded, plain, rank: int, p: list) -> dict:
                                          generator=torch.Generator().manual_seed(7 + rank)).tokens,
         "sampled_plain_seed7": sp.generate(p, NEW_TOKENS, drafter="mtp", generator=torch.Generator().manual_seed(7)).tokens,
         "global_draws": draws,
+        # several requests per round, each with its own budget; EOS = the prompt's last byte
+        "batch": [r.tokens for r in es.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
+        "batch_plain": [r.tokens for r in ep.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
     }
 
 

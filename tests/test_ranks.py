@@ -82,6 +82,7 @@ def test_mtp_greedy_equals_single_process(ranks, case):
     for r, res in enumerate(ranks):
         got = res[case]
         assert got["greedy"] == got["greedy_plain"] and len(got["greedy"]) == 10, f"{case=} {r=}"
+        assert got["batch"] == got["batch_plain"], f"{case=} {r=} generate_batch"
         if case != "tp_release":  # the trained checkpoint: drafts are accepted, trees exercised
             assert got["greedy_tokens_per_verify"] > 1.5, f"{case=} {r=} {got['greedy_tokens_per_verify']}"
 
@@ -203,3 +204,22 @@ def test_per_rank_sizes_follow_transformers_sharding():
     assert not torch.distributed.is_initialized()  # the fake process group is gone again
     with pytest.raises(InputError, match="ep 1 or tp"):
         rank_size(cfg, tp=2, ep=4)
+
+
+def test_release_memory_prints_the_per_rank_table(tmp_path, capsys):
+    import importlib.util
+
+    from dsv4_tree.model.tiny import RELEASE_TINY_OVERRIDES
+
+    config = tmp_path / "config.json"
+    dt.tiny_config(**RELEASE_TINY_OVERRIDES).to_json_file(str(config))
+    spec = importlib.util.spec_from_file_location("release_memory", TESTS.parent / "benchmarks" / "release_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--config", str(config), "--tp", "2", "--ep", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    table = json.loads(lines[-1])["per_rank_bytes"]
+    assert list(table) == ["1", "TP 2", "EP 2 (tp=ep)"] and any(line.startswith("TP 2 ") for line in lines)
+    want = rank_size(dt.tiny_config(**RELEASE_TINY_OVERRIDES), tp=2)
+    assert table["TP 2"][:4] == [want.parts["experts"], want.parts["embed+head"], want.parts["rest"], want.total]
+    assert table["TP 2"][4] == want.total + want.mtp.file_bytes and table["1"][0] == 2 * table["TP 2"][0]
