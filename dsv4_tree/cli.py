@@ -79,12 +79,13 @@ def _load(args):
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     tp, ep = getattr(args, "tp", None), getattr(args, "ep", None)
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
     if tp is None and ep is None:
-        return load_model(args.checkpoint or trained_checkpoint())
+        return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype)
     from .model.parallel import distributed_config_for
 
     config = distributed_config_for(tp, ep, args.ep_implementation)
-    return load_model(args.checkpoint or trained_checkpoint(), distributed_config=config)
+    return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype, distributed_config=config)
 
 
 def _is_bytes(model) -> bool:
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")
     g.add_argument("--eos", type=int, default=None, help="stop after this token id")
     g.add_argument("--corrupt", type=float, default=0.25, help="planted drafter: corruption probability")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype (a release checkpoint is dequantised to it)")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor parallelism over N ranks (under torchrun --nproc-per-node N): transformers' own "
                         "plan, experts split, embedding and head split by vocabulary")

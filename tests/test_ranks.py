@@ -161,7 +161,7 @@ def test_other_bad_distributed_arguments(two_ranks_env, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def test_cli_flags_map_to_distributed_configs(capsys):
+def test_cli_flags_map_to_distributed_configs(capsys, monkeypatch):
     cfg = distributed_config_for(ep=4, ep_implementation="all_to_all")
     assert (cfg.tp_size, cfg.ep_size, cfg.ep_implementation) == (4, 4, "all_to_all")
     assert (distributed_config_for(tp=2).tp_size, distributed_config_for(tp=2).ep_size) == (2, 1)
@@ -178,6 +178,14 @@ def test_cli_flags_map_to_distributed_configs(capsys):
     if "WORLD_SIZE" not in os.environ:
         assert main(["generate", "--tp", "2"]) == 2
         assert "torchrun" in capsys.readouterr().err
+    # the launch command's --dtype (V4-Flash fits 8 ranks in bf16 only)
+    import dsv4_tree.cli as cli
+
+    loaded = []
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: loaded.append(dt.load_model(*a, **k)) or loaded[-1])
+    assert main(["generate", "--dtype", "bfloat16", "--max-new-tokens", "4", "--prompt-len", "16"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]) == 4
+    assert loaded[0].dtype == torch.bfloat16
 
 
 def test_unsharded_models_issue_no_collective():

@@ -3,8 +3,10 @@ config alone.
 
 The model is built on the meta device and transformers' own plans are applied to it exactly as
 `from_pretrained` does (`_resolve_parallel_plans`, `apply_tensor_parallelism`,
-`apply_expert_parallelism`) over a fake process group of N ranks, so the local shard shapes are
-transformers' own (nothing is allocated, nothing is communicated). Rank 0's shards are taken:
+`apply_expert_parallelism`) over a fake process group of N ranks (torch's own testing backend,
+`torch.testing._internal.distributed.fake_pg`: an internal module, checked by
+tests/test_ranks.py against the pinned torch), so the local shard shapes are transformers'
+own (nothing is allocated, nothing is communicated). Rank 0's shards are taken:
 where a dimension does not divide evenly the first ranks hold the larger piece. The shards are
 then named and priced as the release stores them (release_size.py). The MTP block is built by
 dsv4_tree outside transformers and loaded whole on every rank (replicated)."""
