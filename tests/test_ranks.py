@@ -45,7 +45,8 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(TESTS / "ranks_worker.py"), str(out)] + [str(d) for d in dirs]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the CPU and gloo, also on a CUDA machine (one GPU cannot hold two NCCL ranks)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
