@@ -17,12 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, InputError
 from .checkpoint_files import quantization, read_config, shard_files
 from .hf_bindings import DeepseekV4ForCausalLM
-from .parallel import cast_sharded, check_distributed_config, rank_device
+from .parallel import cast_sharded, check_distributed_config, is_dtensor, rank_device
 
 QUANTIZED_MODES = ("dequantize", "keep")
 QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
@@ -37,7 +36,7 @@ def cast_dense(hf, dtype: torch.dtype) -> None:
                     continue
                 if name.endswith(("_scale_inv", "activation_scale")) or t.dtype == dtype:
                     continue
-                if isinstance(t, DTensor):  # a shard of a distributed load: rebuild it around the cast shard
+                if is_dtensor(t):  # a shard of a distributed load: rebuild it around the cast shard
                     cast = cast_sharded(t, dtype)
                     store[name] = torch.nn.Parameter(cast, t.requires_grad) if isinstance(t, torch.nn.Parameter) else cast
                 else:

@@ -102,6 +102,16 @@ def is_sharded(hf) -> bool:
     return (getattr(hf, "_tp_size", None) or 1) > 1
 
 
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (a shard of a distributed load); False where torch has no
+    distributed support."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def cast_sharded(t, dtype: torch.dtype):
     """A DTensor with its local shard cast to `dtype` (same mesh, placements, global shape).
     Setting `.data` on a DTensor relabels its dtype but leaves the shard as it was."""
