@@ -2,7 +2,11 @@
 config alone (parameters x bytes; the model is built on the meta device, nothing allocated).
 
 Default config: transformers' DeepseekV4Config() defaults, which are DeepSeek-V4-Flash's
-dimensions; pass --config path/to/config.json for another. Human table first, one JSON line last."""
+dimensions; pass --config path/to/config.json for another. --tp N [N ...] / --ep N [N ...] add the
+per-rank table of a sharded load (load_model(..., distributed_config=...)): transformers' own
+tensor / expert plans applied on the meta device over a fake process group
+(dsv4_tree/checkpoint/rank_size.py), priced in release storage with UE8M0 scales; the MTP block is
+replicated on every rank. Human tables first, one JSON line last."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +15,7 @@ import json
 import torch
 
 from dsv4_tree.hf_bindings import DeepseekV4Config
+from dsv4_tree.checkpoint.rank_size import PARTS, rank_size
 from dsv4_tree.checkpoint.release_size import release_size
 
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
@@ -21,6 +26,9 @@ FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=None, help="a config.json (default: DeepseekV4Config() = V4-Flash)")
+    ap.add_argument("--tp", type=int, nargs="*", default=[], help="per-rank table for these tensor-parallel sizes")
+    ap.add_argument("--ep", type=int, nargs="*", default=[],
+                    help="per-rank table for these expert-parallel sizes (tp_size = ep_size = N)")
     args = ap.parse_args(argv)
     cfg = DeepseekV4Config.from_json_file(args.config) if args.config else DeepseekV4Config()
     main_only, full = release_size(cfg, with_mtp=False), release_size(cfg, with_mtp=True)
@@ -40,8 +48,26 @@ def main(argv=None):
     ]
     for label, a, b in rows:
         print(f"{label:34} {a:12.2f} {b:12.2f}")
+    ranks = per_rank(cfg, args.tp, args.ep) if args.tp or args.ep else {}
     print(json.dumps({"config": {k: getattr(cfg, k) for k in FIELDS},
-                      **{label.strip(): [round(a, 3), round(b, 3)] for label, a, b in rows}}))
+                      **{label.strip(): [round(a, 3), round(b, 3)] for label, a, b in rows},
+                      **({"per_rank_bytes": ranks} if ranks else {})}))
+
+
+def per_rank(cfg, tps, eps) -> dict:
+    """Print the per-rank table (GiB, weights only: no KV pools or activations); return it in bytes."""
+    gib, out = 2**30, {}
+    heads = list(PARTS) + ["total", "+ MTP", "bf16 dequant", "+ MTP bf16"]
+    print("\nper rank, GiB, weights only (release storage, UE8M0 scales: experts FP4, embed+head bf16 split by "
+          "vocabulary, rest replicated; MTP block replicated; last two: everything dequantised to bf16)")
+    print(f"{'ranks':14}" + "".join(f"{h:>13}" for h in heads))
+    for label, tp, ep in [("1", 1, 1)] + [(f"TP {n}", n, 1) for n in tps] + [(f"EP {n} (tp=ep)", n, n) for n in eps]:
+        r = rank_size(cfg, tp, ep)
+        dense, mtp_dense = r.main.dense_bytes(torch.bfloat16), r.mtp.dense_bytes(torch.bfloat16)
+        vals = [r.parts[p] for p in PARTS] + [r.total, r.total + r.mtp.file_bytes, dense, dense + mtp_dense]
+        out[label] = vals
+        print(f"{label:14}" + "".join(f"{v / gib:>13.2f}" for v in vals))
+    return out
 
 
 if __name__ == "__main__":

@@ -116,7 +116,14 @@ def _load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    return load_model(args.checkpoint or trained_checkpoint())
+    tp, ep = getattr(args, "tp", None), getattr(args, "ep", None)
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    if tp is None and ep is None:
+        return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype)
+    from .checkpoint.parallel import distributed_config_for
+
+    config = distributed_config_for(tp, ep, args.ep_implementation)
+    return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype, distributed_config=config)
 
 
 def _is_bytes(model) -> bool:
@@ -225,6 +232,8 @@ def cmd_generate(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     res = engine.generate(prompt, args.max_new_tokens, drafter=drafter, temperature=args.temperature,
                           top_p=args.top_p, eos_token_id=args.eos, generator=gen)
+    if model.ranks is not None and torch.distributed.get_rank() != 0:
+        return 0  # every rank generated the same tokens (dsv4_tree/ranks.py); rank 0 reports them
     st = res.stats
     print(f"generated {len(res.tokens)} tokens in {st.rounds} verifies: "
           f"{st.mean_tokens_per_verify:.3f} tokens/verify, verify time {st.verify_seconds:.2f} s")
@@ -279,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=64, help="token budget")
     g.add_argument("--eos", type=_int_at_least(0), default=None, help="stop after this token id")
     g.add_argument("--corrupt", type=_real_in(0.0, 1.0), default=0.25, help="planted drafter: corruption probability")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype (a release checkpoint is dequantised to it)")
+    g.add_argument("--tp", type=_int_at_least(1), default=None,
+                   help="tensor parallelism over N ranks (under torchrun --nproc-per-node N): transformers' own "
+                        "plan, experts split, embedding and head split by vocabulary")
+    g.add_argument("--ep", type=_int_at_least(1), default=None,
+                   help="expert parallelism over N ranks (under torchrun; tp_size = ep_size = N): whole experts "
+                        "per rank")
+    g.add_argument("--ep-implementation", choices=("auto", "all_reduce", "all_to_all"), default="auto",
+                   help="how --ep brings the experts their tokens (transformers' ep_implementation)")
     g.set_defaults(func=cmd_generate)
     t = sub.add_parser("train-tiny", help="train the small byte-level DeepSeek-V4 + MTP on the stdlib sources (CPU)")
     t.add_argument("--out", required=True, help="output checkpoint directory (HF layout + mtp.* + training.json)")

@@ -12,6 +12,7 @@ from .hooks import validate_spec
 from .model.adapter import Model, load_model
 from .executor.forward import RowsRun, run_rows
 from .executor.graphs import GraphCache
+from .ranks import agree_acceptances, check_same
 from .request import Request, VerifyOutput, check_live
 from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
@@ -179,6 +180,7 @@ class Engine:
             raise InputError(f"prompts must be a non-empty list of prompts, got {type(prompts).__name__}")
         keep = self.model.window + 1 if hidden_rows is None else _check_hidden_rows(hidden_rows)
         ids = [self._as_prompt(p) for p in prompts]
+        check_same(self.model, ids, "prompts")  # sharded model: every rank prefills the same prompts
         rt, dev, chunk = self.runtime, self.model.device, self.spec.prefill_chunk
         reqs = []
         try:
@@ -232,6 +234,8 @@ class Engine:
     def plan(self, requests, trees) -> VerifyPlan:
         """Host half of verify: validate, map draft slots, build the batch's tables."""
         self._check_batch(requests, trees)
+        check_same(self.model, [[r.seq_len for r in requests]] + [t.tokens for t in trees]
+                   + [t.parents for t in trees], "verified requests or trees")  # sharded model: ranks agree
         return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
@@ -278,6 +282,7 @@ class Engine:
             o, n = out.plan.offsets[b], out.plan.num_nodes[b]
             path, bonus = greedy_walk(tree, targets[o : o + n])
             accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
+        accs = agree_acceptances(self.model, trees, accs)  # sharded model: rank 0's, on every rank
         self._last = out
         return accs
 
@@ -292,6 +297,7 @@ class Engine:
             probs = target_probs(out.logits[b].cpu(), temperature, top_p)
             path, bonus = sample_path(tree, probs, generator)
             accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
+        accs = agree_acceptances(self.model, trees, accs)  # sharded model: rank 0's draws decide
         self._last = out
         return accs
 

@@ -10,7 +10,8 @@ or the Hugging Face Hub (the one place loading may touch the network). "keep" lo
 up front and is refused with CheckpointError if it cannot, instead of failing at the first
 forward. "dequantize" builds the dense model on the host and then moves it to the device. Tensors the checkpoint stores in higher precision (bf16 norms,
 embeddings, ...) are then cast to the requested dtype; kept FP8 / FP4 weights and their scales
-are left as they are."""
+are left as they are. With a distributed_config (parallel.py) transformers shards the
+model and places each rank itself; shards are cast shard by shard and nothing is moved after."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from .files import quantization, read_config, shard_files
 from ..hf_bindings import DeepseekV4ForCausalLM
+from .parallel import cast_sharded, check_distributed_config, is_dtensor, rank_device
 
 QUANTIZED_MODES = ("dequantize", "keep")
 QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
@@ -34,7 +36,11 @@ def cast_dense(hf, dtype: torch.dtype) -> None:
                     continue
                 if name.endswith(("_scale_inv", "activation_scale")) or t.dtype == dtype:
                     continue
-                t.data = t.data.to(dtype)
+                if is_dtensor(t):  # a shard of a distributed load: rebuild it around the cast shard
+                    cast = cast_sharded(t, dtype)
+                    store[name] = torch.nn.Parameter(cast, t.requires_grad) if isinstance(t, torch.nn.Parameter) else cast
+                else:
+                    t.data = t.data.to(dtype)
 
 
 def check_keep_fp8(device) -> None:
@@ -57,9 +63,16 @@ def check_keep_fp8(device) -> None:
                               f"({type(exc).__name__}: {exc}); load with quantized='dequantize'") from exc
 
 
-def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "dequantize") -> DeepseekV4ForCausalLM:
+def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "dequantize",
+                      distributed_config=None) -> DeepseekV4ForCausalLM:
     """Checks the directory (naming the file or key at fault), then loads it with transformers.
-    quantized: "dequantize" (FP8 / FP4 weights become `dtype`) or "keep" (see the module doc)."""
+    quantized: "dequantize" (FP8 / FP4 weights become `dtype`) or "keep" (see the module doc).
+    distributed_config: a transformers.DistributedConfig, under torchrun (see parallel.py);
+    device must then be None: transformers places each rank, and nothing is moved after."""
+    if distributed_config is not None:
+        check_distributed_config(distributed_config, device)
+    elif device is None:
+        device = "cpu"
     if quantized not in QUANTIZED_MODES:
         raise InputError(f"quantized must be one of {QUANTIZED_MODES}, got {quantized!r}")
     if not path.is_dir():
@@ -83,11 +96,14 @@ def load_hf_directory(path: Path, device, dtype: torch.dtype, quantized: str = "
 
         keep = quantized == "keep"
         if keep:
-            check_keep_fp8(device)
-            kwargs["device_map"] = str(torch.device(device))
+            check_keep_fp8(device if distributed_config is None else rank_device())
+            if distributed_config is None:  # transformers refuses device_map with a tensor plan
+                kwargs["device_map"] = str(torch.device(device))
         kwargs["quantization_config"] = FineGrainedFP8Config(
             dequantize=not keep, modules_to_not_convert=quant.get("modules_to_not_convert"))
+    if distributed_config is not None:
+        kwargs["distributed_config"] = distributed_config
     hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **kwargs)
     if quant is not None:
         cast_dense(hf, dtype)
-    return hf.to(device)
+    return hf if distributed_config is not None else hf.to(device)

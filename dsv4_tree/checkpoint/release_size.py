@@ -33,30 +33,52 @@ class ReleaseSize:
         return (self.params - self.int_params) * torch.empty(0, dtype=dtype).element_size() + self.int_bytes
 
 
-def release_size(config, with_mtp: bool = True, scale_bytes: int = 4) -> ReleaseSize:
-    """scale_bytes: 4 for fp32 scales (what write_release stores, scale_fmt="float"), 1 for
-    UE8M0 power-of-two scales (scale_fmt="ue8m0")."""
-    from ..hf_bindings import DeepseekV4ForCausalLM
-    from .mtp import MtpBlock, to_checkpoint_names
+def price(name: str, t: torch.Tensor, scale_bytes: int = 4) -> tuple[str, int]:
+    """(storage kind, stored bytes) of one release-named tensor: the writer's storage rule."""
+    kind, n = storage_kind(name, t), t.numel()
+    if kind == "fp8":
+        return kind, n + scale_bytes * (t.shape[0] // FP8_BLOCK) * (t.shape[1] // FP8_BLOCK)
+    if kind == "fp4":
+        return kind, n // 2 + scale_bytes * (n // FP4_GROUP)
+    return kind, n * (KEEP_DTYPE.itemsize if t.is_floating_point() else t.element_size())
 
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
-        tensors = release_state_dict(dict(model.state_dict()))
-        if with_mtp:
-            tensors.update(to_checkpoint_names(MtpBlock(config)))
+
+def size_of(tensors: dict, scale_bytes: int = 4) -> ReleaseSize:
+    """ReleaseSize of release-named tensors (meta tensors are fine)."""
     fp8 = fp4 = kept = nbytes = ints = int_bytes = 0
     for name, t in tensors.items():
-        kind, n = storage_kind(name, t), t.numel()
+        kind, b = price(name, t, scale_bytes)
+        n = t.numel()
+        nbytes += b
         if kind == "fp8":
             fp8 += n
-            nbytes += n + scale_bytes * (t.shape[0] // FP8_BLOCK) * (t.shape[1] // FP8_BLOCK)
         elif kind == "fp4":
             fp4 += n
-            nbytes += n // 2 + scale_bytes * (n // FP4_GROUP)
         else:
             kept += n
-            width = KEEP_DTYPE.itemsize if t.is_floating_point() else t.element_size()
-            nbytes += n * width
             if not t.is_floating_point():
                 ints, int_bytes = ints + n, int_bytes + n * t.element_size()
     return ReleaseSize(fp8, fp4, kept, nbytes, ints, int_bytes)
+
+
+def release_size(config, with_mtp: bool = True, scale_bytes: int = 4) -> ReleaseSize:
+    """scale_bytes: 4 for fp32 scales (what write_release stores, scale_fmt="float"), 1 for
+    UE8M0 power-of-two scales (scale_fmt="ue8m0")."""
+    return size_of(release_tensors(config, with_mtp), scale_bytes)
+
+
+def release_tensors(config, with_mtp: bool = True) -> dict:
+    """The model's (and MTP block's) tensors under release names, on the meta device."""
+    from .hf_bindings import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        tensors = release_state_dict(dict(DeepseekV4ForCausalLM(config).state_dict()))
+    return {**tensors, **mtp_tensors(config)} if with_mtp else tensors
+
+
+def mtp_tensors(config) -> dict:
+    """The MTP block's tensors under release names (mtp.0.*), on the meta device."""
+    from .mtp import MtpBlock, to_checkpoint_names
+
+    with torch.device("meta"):
+        return to_checkpoint_names(MtpBlock(config))

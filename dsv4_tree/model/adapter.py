@@ -8,6 +8,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
 from ..checkpoint.hf_load import QUANTIZED_MODES, load_hf_directory
+from ..checkpoint.parallel import is_sharded
 
 
 class Model:
@@ -19,6 +20,8 @@ class Model:
         self.hf = hf_model.eval()
         self.config = hf_model.config
         self.source: Path | None = None
+        # the process group every rank of a sharded model runs in step with (dsv4_tree/ranks.py)
+        self.ranks = torch.distributed.group.WORLD if is_sharded(hf_model) else None
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +98,7 @@ def check_device(device) -> torch.device:
                          f"{exc}") from exc
 
 
-def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -> Model:
+def load_model(source, device=None, dtype=None, quantized: str = "dequantize", distributed_config=None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
     layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
     Never touches the network, except quantized="keep", where transformers loads its FP8
@@ -104,7 +107,10 @@ def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -
     device / dtype: None keeps a wrapped module's own (a directory loads as fp32 on the CPU);
     given, a wrapped module is moved in place (nn.Module.to). quantized: for an FP8 / FP4
     release checkpoint, "dequantize" (default, any device) or "keep" (transformers' FP8 modules
-    on CUDA; needs the `kernels` package, see hf_load.py)."""
+    on CUDA; needs the `kernels` package, see hf_load.py). distributed_config: a
+    transformers.DistributedConfig, in every process torchrun starts: transformers shards the
+    model with its own tensor / expert plans and places each rank (device must be None; see
+    checkpoint/parallel.py for what is accepted)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InputError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
                          f"got {dtype!r}")
@@ -115,6 +121,9 @@ def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -
     if isinstance(source, (Model, DeepseekV4ForCausalLM)):
         if quantized != "dequantize":
             raise InputError("quantized applies when loading a checkpoint directory, not to a built model")
+        if distributed_config is not None:
+            raise InputError("distributed_config applies when loading a checkpoint directory (transformers shards "
+                             "while loading), not to a built model")
         moves = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         if isinstance(source, Model):
             if moves:
@@ -124,6 +133,7 @@ def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -
     if not isinstance(source, (str, Path)):
         raise CheckpointError(f"source must be a directory or a DeepseekV4ForCausalLM, got {type(source).__name__}")
     path = Path(source)
-    model = Model(load_hf_directory(path, device or "cpu", dtype or torch.float32, quantized))
+    model = Model(load_hf_directory(path, device if distributed_config is not None else device or "cpu",
+                                    dtype or torch.float32, quantized, distributed_config))
     model.source = path
     return model

@@ -83,10 +83,13 @@ def experts_implementation(config, name: str):
 
 def grouped_applies(experts) -> bool:
     """Whether `experts` runs transformers' grouped implementation on plain expert weights
-    (the case `grouped_experts` reproduces)."""
+    (the case `grouped_experts` reproduces). Not where a tensor / expert plan hooked the module
+    (`_is_hooked`): its weights are shards, and the forward transformers installed runs the local
+    shards and the sum across ranks."""
     return (isinstance(experts, DeepseekV4Experts) and chosen_experts(experts) == "grouped_mm"
             and experts.has_gate and not experts.has_bias and not experts.is_transposed
-            and not experts.has_post_expert_norm and not experts._is_expert_parallel)
+            and not experts.has_post_expert_norm and not experts._is_expert_parallel
+            and not getattr(experts, "_is_hooked", False))
 
 
 def grouped_experts(experts, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

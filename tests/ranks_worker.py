@@ -1,0 +1,189 @@
+"""One rank of the 2-rank runs tests/test_ranks.py launches under torchrun (gloo, CPU).
+
+Usage: torchrun --standalone --nproc-per-node 2 tests/ranks_worker.py OUT_DIR HF_DIR RELEASE_DIR TRAINED_DIR
+
+Loads the tiny checkpoints sharded (TP; EP with both token paths; TP on the release format)
+and unsharded, runs every check on both, and writes what it measured to OUT_DIR/rank<R>.json.
+Verify and commit run on the random tiny checkpoints; generation on the dense cases runs on the
+shipped trained checkpoint, whose MTP block gets drafts accepted (a random one accepts none, so
+only the bonus path would be exercised). The assertions live in test_ranks.py;
+the assertions live in test_ranks.py. One launch for all cases: starting the process group
+and importing torch and transformers costs more than the checks themselves."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import dsv4_tree as dt
+from cases import prompt, random_tree
+from dsv4_tree.errors import StateError
+from dsv4_tree.reference import relative_error
+
+SPEC = dt.SpecConfig(eagle_topk=4, num_steps=3, num_draft_tokens=12)
+NEW_TOKENS = 10
+
+
+def case_configs(hf_dir: str, release_dir: str) -> dict:
+    from transformers import DistributedConfig
+
+    return {
+        "tp": (hf_dir, DistributedConfig(tp_size=2)),
+        "ep_all_reduce": (hf_dir, DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_reduce")),
+        "ep_all_to_all": (hf_dir, DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_to_all")),
+        "tp_release": (release_dir, DistributedConfig(tp_size=2)),
+    }
+
+
+def serial_decode(eng, p, tokens):
+    """Feed `tokens` one decode step each (1-node trees) after prefill(p): the serial state."""
+    req = eng.prefill(p)
+    seq = [req.root_token] + list(tokens)
+    for i in range(len(tokens)):
+        out = eng.verify([req], [dt.DraftTree.chain([seq[i]])])
+        eng.commit([req], [dt.Acceptance((0,), seq[i + 1], req.request_id, out.verify_id)], out)
+    return req
+
+
+def state_diff(eng, a, b) -> float:
+    """Largest difference of two requests' committed states, relative to each field's largest
+    magnitude (inf if they differ in tokens or layout)."""
+    if a.seq_len != b.seq_len or a.root_token != b.root_token or not torch.equal(a.tokens, b.tokens):
+        return float("inf")
+    worst = 0.0
+    for sa, sb in zip(eng.state_summary(a), eng.state_summary(b)):
+        if sa.keys() != sb.keys() or any(sa[k].shape != sb[k].shape for k in sa):
+            return float("inf")
+        for k in sa:
+            if sa[k].numel():
+                x, y = sa[k].double(), sb[k].double()
+                worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)))
+    return worst
+
+
+def deepest_path(tree) -> tuple:
+    parents = tree.parents.tolist()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    node, path = max(range(len(parents)), key=lambda i: (depth[i], -i)), []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return tuple(reversed(path))
+
+
+def verify_and_commit(sharded, plain) -> dict:
+    es, ep = dt.Engine(sharded, SPEC), dt.Engine(plain, SPEC)
+    prompts = [prompt(41, seed=1), prompt(23, seed=2)]
+    trees = [random_tree(int(p[-1]), 12, 3, 4, seed=10 + i) for i, p in enumerate(prompts)]
+    rs, rp = es.prefill_batch(prompts), ep.prefill_batch(prompts)
+    out_s, out_p = es.verify(rs, trees), ep.verify(rp, trees)
+    rel = max(relative_error(a, b) for a, b in zip(out_s.logits, out_p.logits))
+    exact = all(torch.equal(a, b) for a, b in zip(out_s.logits, out_p.logits))
+    path, bonus = deepest_path(trees[0]), 3
+    accs = [dt.Acceptance(path, bonus, rs[0].request_id, out_s.verify_id),
+            dt.Acceptance((0,), 4, rs[1].request_id, out_s.verify_id)]
+    es.commit(rs, accs, out_s)
+    serial = serial_decode(es, prompts[0], trees[0].tokens[list(path[1:])].tolist() + [bonus])
+    diff = state_diff(es, rs[0], serial)
+    # and the next verify of the committed request still equals the unsharded engine's
+    ep.commit(rp, [dt.Acceptance(a.path, a.bonus, r.request_id, out_p.verify_id) for a, r in zip(accs, rp)], out_p)
+    nxt = random_tree(rs[0].root_token, 8, 3, 3, seed=30)
+    after = relative_error(es.verify([rs[0]], [nxt]).logits[0], ep.verify([rp[0]], [nxt]).logits[0])
+    for eng, reqs in ((es, rs + [serial]), (ep, rp)):
+        for req in reqs:
+            eng.release(req)
+    return {"verify_rel": rel, "verify_exact": exact, "commit_vs_serial": diff, "verify_after_commit_rel": after,
+            "committed_depth": len(path) - 1}
+
+
+def generation(sharded, plain, rank: int, p: list) -> dict:
+    es, ep = dt.Engine(sharded, SPEC), dt.Engine(plain, SPEC)
+    greedy = es.generate(p, NEW_TOKENS, drafter="mtp")
+    sampling = SPEC.replace(accept="sampling")
+    ss, sp = dt.Engine(sharded, sampling), dt.Engine(plain, sampling)
+    draws = torch.rand(4).tolist()  # proves the ranks' global RNGs differ
+    return {
+        "greedy": greedy.tokens, "greedy_plain": ep.generate(p, NEW_TOKENS, drafter="mtp").tokens,
+        "greedy_tokens_per_verify": greedy.stats.mean_tokens_per_verify,
+        "sampled_global_rng": ss.generate(p, NEW_TOKENS, drafter="mtp").tokens,
+        # a user generator, seeded 7 on rank 0 and differently on the others: rank 0 decides
+        "sampled_generator": ss.generate(p, NEW_TOKENS, drafter="mtp",
+                                         generator=torch.Generator().manual_seed(7 + rank)).tokens,
+        "sampled_plain_seed7": sp.generate(p, NEW_TOKENS, drafter="mtp", generator=torch.Generator().manual_seed(7)).tokens,
+        "global_draws": draws,
+        # several requests per round, each with its own budget; EOS = the prompt's last byte
+        "batch": [r.tokens for r in es.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
+        "batch_plain": [r.tokens for r in ep.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
+    }
+
+
+def divergence(sharded, rank: int) -> dict:
+    """Ranks handed different trees / prompts raise StateError together; state is unchanged."""
+    es = dt.Engine(sharded, SPEC)
+    req = es.prefill(prompt(20, seed=4))
+    seen = {}
+    try:
+        es.verify([req], [dt.DraftTree.chain([req.root_token, 5 + rank])])
+        seen["tree"] = "none"
+    except StateError:
+        seen["tree"] = "StateError"
+    try:
+        es.prefill([1, 2, 3 + rank])
+        seen["prompt"] = "none"
+    except StateError:
+        seen["prompt"] = "StateError"
+    out = es.verify([req], [dt.DraftTree.chain([req.root_token, 5])])  # the same tree on every rank: runs
+    seen["after_logits_shape"] = list(out.logits[0].shape)
+    seen["seq_len"] = req.seq_len
+    return seen
+
+
+def cli_run(argv) -> str:
+    from dsv4_tree.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return f"rc={rc}\n{buf.getvalue()}"
+
+
+def main(out_dir: str, hf_dir: str, release_dir: str, trained_dir: str) -> None:
+    from dsv4_tree.train.corpus import heldout_prompt
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(1000 + 17 * rank)  # the ranks' global RNGs differ on purpose
+    plain = {d: dt.load_model(d) for d in (hf_dir, release_dir, trained_dir)}
+    for m in plain.values():
+        assert m.ranks is None
+    results = {"rank": rank}
+    for name, (path, cfg) in case_configs(hf_dir, release_dir).items():
+        sharded = dt.load_model(path, distributed_config=cfg)
+        res = {"sharded": sharded.ranks is not None, "dtensors": sum(
+            type(p).__name__ == "DTensor" for p in sharded.hf.parameters())}
+        res.update(verify_and_commit(sharded, plain[path]))
+        if path == hf_dir:  # generation on the trained checkpoint, sharded the same way
+            gen, p = dt.load_model(trained_dir, distributed_config=cfg), heldout_prompt(60, seed=1)
+            res.update(generation(gen, plain[trained_dir], rank, p))
+        else:
+            res.update(generation(sharded, plain[path], rank, prompt(30, seed=3).tolist()))
+        if name == "tp":
+            res["divergence"] = divergence(sharded, rank)
+        results[name] = res
+    common = ["generate", "--checkpoint", hf_dir, "--drafter", "mtp", "--max-new-tokens", "8", "--topk", "2",
+              "--num-steps", "3", "--prompt-len", "20"]
+    results["cli_tp"] = cli_run(common + ["--tp", "2"])
+    results["cli_ep"] = cli_run(common + ["--ep", "2", "--ep-implementation", "all_to_all"])
+    results["cli_plain"] = cli_run(common)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
