@@ -69,7 +69,7 @@ def release_size(config, with_mtp: bool = True, scale_bytes: int = 4) -> Release
 
 def release_tensors(config, with_mtp: bool = True) -> dict:
     """The model's (and MTP block's) tensors under release names, on the meta device."""
-    from .hf_bindings import DeepseekV4ForCausalLM
+    from ..hf_bindings import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
         tensors = release_state_dict(dict(DeepseekV4ForCausalLM(config).state_dict()))

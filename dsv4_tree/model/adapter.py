@@ -115,7 +115,7 @@ def load_model(source, device=None, dtype=None, quantized: str = "dequantize", d
         raise InputError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
                          f"got {dtype!r}")
     if device is not None:
-        device = check_device(device)
+        check_device(device)
     if quantized not in QUANTIZED_MODES:
         raise InputError(f"quantized must be one of {QUANTIZED_MODES}, got {quantized!r}")
     if isinstance(source, (Model, DeepseekV4ForCausalLM)):
