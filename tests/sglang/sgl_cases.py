@@ -49,7 +49,7 @@ def sglang_tree(bs: int, topk: int, steps: int, n: int, seq_lens: torch.Tensor, 
         rows = bs * topk
         hidden = torch.zeros(rows, 4)
     parent_list, top_idx, _ = organize_draft_results(s_list, t_list, p_list, n)
-    tree_mask = torch.ones(bs * n, dtype=torch.bool)
+    tree_mask = torch.ones(bs * n * n, dtype=torch.bool)  # QLEN_ONLY: one [N, N] block per request
     positions = torch.empty(bs * n, dtype=torch.long)
     ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)
     sgl_build_tree_kernel_triton(parent_list, top_idx, seq_lens.to(torch.long), tree_mask, positions, ri, rn, rs,
