@@ -164,3 +164,55 @@ def test_cuda_graph_entry_points_refuse():
         for name in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "replay_cuda_graph_metadata_from"):
             with pytest.raises(ConfigError, match="--disable-cuda-graph"):
                 getattr(b, name)(1, 2)
+
+
+def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no_flashmla_schedule):
+    """The tree backend's eager path: init_forward_metadata keeps the batch's tree for
+    make_forward_metadata_from_raw_verify (SGLang's own call order), which builds tree rows;
+    without a tree it refuses; the write-side steps refuse on tree metadata."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+    from dsv4_tree.errors import StateError
+    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
+    from dsv4_tree.sglang_plugin.metadata import TreeDSV4Metadata, tree_verify_metadata
+    from sgl_cases import StandIn, layout, sglang_tree
+
+    gen = torch.Generator().manual_seed(5)
+    lens, n = [250, 7], 8
+    req_to_token, mapping = layout(lens, n, gen)
+    stand_in = StandIn(req_to_token, mapping, n)
+    be = object.__new__(TreeDeepseekV4AttnBackend)
+    be.__dict__.update(stand_in.__dict__)
+    be.topk, be._tree_spec_info = 4, None
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    out_loc = torch.cat([req_to_token[r, p:p + n] for r, p in zip(rpi.tolist(), lens)]).to(torch.int64)
+    _, rn, rs = sglang_tree(2, 4, 3, n, seq_lens, gen)
+    raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
+
+    def sglang_init(self, forward_batch):  # what SGLang's eager init does for TARGET_VERIFY
+        self.forward_metadata = self.make_forward_metadata_from_raw_verify(raw)
+
+    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata", sglang_init)
+    monkeypatch.setattr(dsv4, "_get_logical_forward_mode", lambda fb: fb.forward_mode)
+    verify = SimpleNamespace(is_target_verify=lambda: True)
+    batch = SimpleNamespace(forward_mode=verify, spec_info=SimpleNamespace(retrieve_next_token=rn,
+                                                                           retrieve_next_sibling=rs))
+    be.init_forward_metadata(batch)
+    assert be._tree_spec_info is None  # not kept past the call
+    got, want = be.forward_metadata, tree_verify_metadata(stand_in, raw, rn, rs)
+    assert isinstance(got, TreeDSV4Metadata)
+    for f in ("swa_page_indices", "seq_lens_casual", "c4_out_loc", "c128_page_indices"):
+        assert torch.equal(getattr(got.core_attn_metadata, f), getattr(want.core_attn_metadata, f)), f
+    with pytest.raises(StateError, match="per-branch"):
+        be.forward_core_compressor()
+    with pytest.raises(StateError, match="per-branch"):
+        be.forward_indexer_compressor()
+    decode = SimpleNamespace(is_target_verify=lambda: False)
+    with pytest.raises(StateError, match="without the batch's tree"):
+        be.init_forward_metadata(SimpleNamespace(forward_mode=decode, spec_info=None))
+    with pytest.raises(StateError, match="draft decode with topk=4"):
+        be.init_forward_metadata_decode(0, rpi, seq_lens, torch.zeros(8, dtype=torch.int64))
