@@ -22,6 +22,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing torch==2.14.1 and sglang==0.5.23 (no GPU-only packages)" >&2
   pipi torch==2.14.1
   pipi --no-deps sglang==0.5.23
+  echo "[setup] (pip's 'sglang 0.5.23 requires ...' lines below name the GPU-only packages left out)" >&2
   # what `import sglang.srt...` needs on a CPU (the modules the tests load), at sglang's pins
   pipi transformers==5.19.0 "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
     "compressed-tensors==0.18.0" "openai==2.8.0" numpy msgspec orjson psutil pybase64 requests \

@@ -10,6 +10,7 @@ SGLang 0.5.23 modules; loaded only inside SGLang processes.
   originals' result otherwise."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ..errors import ConfigError
@@ -75,7 +76,7 @@ def around_handle_eagle_family(original, server_args):
             raise
         if settings.dsv4_attn_backend == "auto":
             # resolved later by apply_deepseek_v4_defaults, which validates again with it set
-            settings = TreeServeSettings(**{**settings.__dict__, "dsv4_attn_backend": "flashmla"})
+            settings = dataclasses.replace(settings, dsv4_attn_backend="flashmla")
         validate_tree_settings(settings)
         return None
 
