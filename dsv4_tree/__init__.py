@@ -1,18 +1,42 @@
-"""dsv4-tree: tree speculative verify for DeepSeek-V4 attention, equal to per-path runs."""
+"""dsv4-tree: tree speculative verify for DeepSeek-V4 attention, equal to per-path runs.
+
+The trees, the serving tables, the references and the kernels import with torch alone. The
+Hugging Face engine (`Engine`, `Model`, the loaders) needs the `hf` extra (transformers 5.23.0)
+and loads on first use of one of its names (PEP 562), so `import dsv4_tree.tree` (or the SGLang
+plug-in, beside SGLang's own transformers pin) never imports transformers."""
+import importlib
+
 from . import reference, serving, tree
 from .config import SpecConfig
-from .engine import Engine, Request, VerifyOutput
 from .errors import CheckpointError, ConfigError, Dsv4TreeError, InputError, StateError, TreeError
 from .hooks import validate_spec
-from .checkpoint import tiny_checkpoint, tiny_config, trained_checkpoint
-from .model import Model, load_model
 from .tree import DraftTree
 from .verify import Acceptance
 
 __version__ = "0.1.0"
+
+# name -> module that defines it; loaded on first access (they import transformers)
+_LAZY = {
+    "Engine": ".engine", "Request": ".engine", "VerifyOutput": ".engine",
+    "Model": ".model", "load_model": ".model", "tiny_checkpoint": ".checkpoint", "tiny_config": ".checkpoint",
+    "trained_checkpoint": ".checkpoint",
+}
 
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
     "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "load_model", "reference",
     "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

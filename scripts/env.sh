@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   fi
   echo "[setup] installing dsv4-tree and test requirements" >&2
-  "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[test,triton,bench]"
+  "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[hf,test,triton,bench]"
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,52 @@
+"""SGLang 0.5.23 plug-in: EAGLE tree verify (topk > 1) for DeepSeek-V4 inside SGLang.
+
+SGLang loads this through the entry point `[project.entry-points."sglang.srt.plugins"]
+dsv4_tree` and calls `register()` in every process it starts; `register()` records hooks in
+SGLang's `HookRegistry`, which SGLang applies right after (design_notes/sglang-plugin.md lists
+every hook). Any SGLang other than 0.5.23 gets one log line and no hooks: the hooks name
+SGLang internals by dotted path and rely on 0.5.23's code around them.
+
+Importing this package imports nothing of SGLang (nor transformers); the hook modules load
+inside `register()`."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+SUPPORTED_SGLANG = "0.5.23"
+
+logger = logging.getLogger(__name__)
+
+# (target, hook type, our function in dsv4_tree.sglang_plugin.hooks)
+HOOKS = (
+    ("sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults", "AROUND", "around_apply_deepseek_v4_defaults"),
+    ("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "AROUND", "around_handle_eagle_family"),
+    ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_attn_backend", "AROUND",
+     "around_create_deepseek_v4_attn_backend"),
+    ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_multistep_backend", "AROUND",
+     "around_create_deepseek_v4_multistep_backend"),
+)
+HOOK_TARGETS = tuple(target for target, _, _ in HOOKS)
+
+
+def installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def register() -> bool:
+    """SGLang's plug-in entry point. Returns whether the hooks were registered."""
+    version = installed_sglang_version()
+    if version != SUPPORTED_SGLANG:
+        logger.warning("dsv4_tree SGLang plug-in: supports sglang==%s only, found %s; no hooks registered "
+                       "(EAGLE topk > 1 stays refused for DeepSeek-V4)", SUPPORTED_SGLANG, version)
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import hooks
+
+    for target, kind, name in HOOKS:
+        HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    return True

@@ -1,0 +1,135 @@
+"""Tree-aware subclasses of SGLang 0.5.23's DeepSeek-V4 attention backends (returned by the
+factory hooks when EAGLE topk > 1).
+
+* Construction: SGLang's `__init__` asserts topk in [0, 1]; it runs here while the backend
+  module's `get_spec` reports topk 1 (everything else forwarded), then the real topk is set.
+  Only the plain paged-SWA pool without low-ratio layers is accepted.
+* Target verify: eager `init_forward_metadata` keeps the batch's tree (`spec_info`) for
+  `make_forward_metadata_from_raw_verify`, which builds tree rows (`metadata.py`).
+* CUDA graphs: refused (ConfigError naming --disable-cuda-graph).
+* The write side of a tree verify (per-branch compressor entries, branch indexer candidates)
+  and topk > 1 draft decode are refused with a StateError naming the step, never run with
+  chain-addressed plans that would mix siblings' state."""
+from __future__ import annotations
+
+import contextlib
+from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+from ..errors import ConfigError, StateError
+from .metadata import TreeDSV4Metadata, tree_verify_metadata
+
+CUDA_GRAPH_REFUSAL = ("dsv4_tree tree verify (EAGLE topk > 1) builds its metadata eagerly: "
+                      "launch SGLang with --disable-cuda-graph")
+
+
+class _TopkOneSpec:
+    """get_spec() as SGLang's backend __init__ sees it: topk 1, everything else the real spec."""
+
+    def __init__(self, spec):
+        self._spec = spec
+
+    def __getattr__(self, name):
+        return 1 if name == "speculative_eagle_topk" else getattr(self._spec, name)
+
+
+@contextlib.contextmanager
+def _topk_one_view():
+    """Yields the real get_spec (also when nested: the multi-step backend builds its step
+    backends inside its own __init__)."""
+    before = dsv4.get_spec
+    real = getattr(before, "dsv4_tree_real", before)
+
+    def topk_one():
+        return _TopkOneSpec(real())
+
+    topk_one.dsv4_tree_real = real
+    dsv4.get_spec = topk_one
+    try:
+        yield real
+    finally:
+        dsv4.get_spec = before
+
+
+def _check_pool(backend) -> None:
+    pool = backend.token_to_kv_pool
+    if getattr(pool, "request_window", None) is not None or getattr(pool, "swa_req_ring_size", None) is not None \
+            or getattr(pool, "unified_kv_pool", None) is not None:
+        raise ConfigError("dsv4_tree tree verify needs SGLang's paged SWA pool (no request window, SWA ring or "
+                          "unified KV pool)")
+    if backend.low_ratios:
+        raise ConfigError(f"dsv4_tree tree verify: low-ratio compressed layers {backend.low_ratios} "
+                          f"(DeepSeek-V4.1) are not supported")
+
+
+class _TreeMixin:
+    def _tree_init(self, real_get_spec) -> None:
+        self.topk = int(real_get_spec().speculative_eagle_topk)
+        self.mtp_enabled = True
+        self._tree_spec_info = None
+        _check_pool(self)
+
+    def init_cuda_graph_state(self, *args, **kwargs):
+        raise ConfigError(CUDA_GRAPH_REFUSAL)
+
+    def init_forward_metadata_out_graph(self, *args, **kwargs):
+        raise ConfigError(CUDA_GRAPH_REFUSAL)
+
+    def replay_cuda_graph_metadata_from(self, *args, **kwargs):
+        raise ConfigError(CUDA_GRAPH_REFUSAL)
+
+
+class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
+    def __init__(self, model_runner, **kwargs):
+        with _topk_one_view() as real_get_spec:
+            super().__init__(model_runner, **kwargs)
+        self._tree_init(real_get_spec)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        mode = dsv4._get_logical_forward_mode(forward_batch)
+        self._tree_spec_info = forward_batch.spec_info if mode.is_target_verify() else None
+        try:
+            super().init_forward_metadata(forward_batch)
+        finally:
+            self._tree_spec_info = None
+
+    def make_forward_metadata_from_raw_verify(self, raw_metadata, online_c128_state_slot_offset: int = 0,
+                                              graph_backed: bool = False):
+        spec = self._tree_spec_info
+        if spec is None or getattr(spec, "retrieve_next_token", None) is None:
+            raise StateError("dsv4_tree tree verify: target-verify metadata requested without the batch's tree "
+                             "(spec_info.retrieve_next_token / retrieve_next_sibling)")
+        if raw_metadata.verify_lens is not None:
+            raise ConfigError("dsv4_tree tree verify: ragged verify layouts are not supported "
+                              "(SGLANG_RAGGED_VERIFY_MODE must be 'static')")
+        return tree_verify_metadata(self, raw_metadata, spec.retrieve_next_token, spec.retrieve_next_sibling)
+
+    def forward_core_compressor(self, *args, **kwargs):
+        self._refuse_tree_write("the core compressor's per-branch entries")
+        return super().forward_core_compressor(*args, **kwargs)
+
+    def forward_indexer_compressor(self, *args, **kwargs):
+        self._refuse_tree_write("the indexer compressor's per-branch keys")
+        return super().forward_indexer_compressor(*args, **kwargs)
+
+    def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
+        if out_cache_loc.shape[0] != req_pool_indices.shape[0]:
+            raise StateError(f"dsv4_tree: draft decode with topk={self.topk} ({out_cache_loc.shape[0]} rows for "
+                             f"{req_pool_indices.shape[0]} requests) is not implemented")
+        return super().init_forward_metadata_decode(max_seq_len, req_pool_indices, seq_lens, out_cache_loc)
+
+    def _refuse_tree_write(self, what: str) -> None:
+        if not isinstance(getattr(self, "forward_metadata", None), TreeDSV4Metadata):
+            return
+        raise StateError(f"dsv4_tree tree verify: {what} are not implemented in this version of the plug-in")
+
+
+class TreeDeepseekV4MultiStepBackend(_TreeMixin, dsv4.DeepseekV4MultiStepBackend):
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        with _topk_one_view() as real_get_spec:
+            super().__init__(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+        self._tree_init(real_get_spec)
+        self.topk = topk
+
+    def _make_step_backend(self, model_runner, step_id: int):
+        return TreeDeepseekV4AttnBackend(model_runner, speculative_step_id=step_id, topk=self.topk,
+                                         speculative_num_steps=self.speculative_num_steps)

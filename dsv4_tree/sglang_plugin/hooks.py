@@ -1,0 +1,112 @@
+"""The plug-in's hook functions (registered by `dsv4_tree.sglang_plugin.register`). Imports
+SGLang 0.5.23 modules; loaded only inside SGLang processes.
+
+* Argument gates: AROUND hooks on the two functions whose *last statement* refuses EAGLE
+  topk > 1 for DeepSeek-V4 (so nothing after the refusal is skipped when it is lifted). The
+  original runs first; only that refusal is caught, and only when the configuration is a
+  DeepSeek-V4 tree that `validate_tree_settings` accepts. Any other model, or any other
+  failure, propagates unchanged.
+* Backend factories: AROUND hooks that return the tree-aware subclasses when topk > 1 and the
+  originals' result otherwise."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..errors import ConfigError
+from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
+
+logger = logging.getLogger(__name__)
+
+DSV4_TOPK_REFUSAL = "topk == 1 is supported for"  # apply_deepseek_v4_defaults' assertion
+PAGE_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1"  # _handle_eagle_family's ValueError
+
+
+def draft_token_capacity(num_draft_tokens: int) -> int:
+    """Most draft tokens per request SGLang's C4 compressor-state ring serves under speculation
+    (SGLang's own bound, `get_compress_state_write_pad`; 10 for its ring of 16)."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
+        get_compress_state_ring_size, get_compress_state_write_pad)
+
+    return get_compress_state_write_pad(4, get_compress_state_ring_size(4, max(1, num_draft_tokens)))
+
+
+def settings_from_server_args(server_args) -> TreeServeSettings:
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
+
+    cfg = resolving_view(server_args)
+    archs = getattr(model_config_of(server_args).hf_config, "architectures", None) or [""]
+    n = int(cfg.speculative_num_draft_tokens or 0)
+    return TreeServeSettings(
+        model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
+        topk=int(cfg.speculative_eagle_topk or 0), num_draft_tokens=n,
+        dsv4_attn_backend=str(cfg.dsv4_attn_backend), disable_cuda_graph=bool(cfg.disable_cuda_graph),
+        attn_cp_size=int(cfg.attn_cp_size or 1), dcp_size=int(cfg.dcp_size or 1),
+        enable_prefill_cp=bool(cfg.enable_prefill_cp),
+        encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
+        unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
+        ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=draft_token_capacity(n),
+    )
+
+
+def around_apply_deepseek_v4_defaults(original, server_args, model_arch):
+    try:
+        return original(server_args, model_arch)
+    except AssertionError as exc:
+        if DSV4_TOPK_REFUSAL not in str(exc) or model_arch not in DSV4_ARCHS:
+            raise
+        settings = settings_from_server_args(server_args)
+        if not tree_requested(settings):
+            raise
+        validate_tree_settings(settings)
+        logger.info("dsv4_tree: EAGLE topk=%d tree verify accepted for %s", settings.topk, model_arch)
+        return None
+
+
+def around_handle_eagle_family(original, server_args):
+    try:
+        return original(server_args)
+    except ValueError as exc:
+        if PAGE_TREE_REFUSAL not in str(exc):
+            raise
+        settings = settings_from_server_args(server_args)
+        if not tree_requested(settings):
+            raise
+        if settings.dsv4_attn_backend == "auto":
+            # resolved later by apply_deepseek_v4_defaults, which validates again with it set
+            settings = dataclasses.replace(settings, dsv4_attn_backend="flashmla")
+        validate_tree_settings(settings)
+        return None
+
+
+def _tree_topk(model_runner) -> int:
+    from sglang.srt.runtime_context import get_spec
+
+    return int(get_spec().speculative_eagle_topk or 0)
+
+
+def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
+    if _tree_topk(model_runner) <= 1:
+        return original(model_runner, **kwargs)
+    from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import (
+        is_dsv4_mega_attn_enabled, is_dsv4_trtllm_attn_enabled)
+
+    if is_dsv4_trtllm_attn_enabled() or is_dsv4_mega_attn_enabled():
+        raise ConfigError("dsv4_tree tree verify: --dsv4-attn-backend must be 'flashmla'")
+    from .backend import TreeDeepseekV4AttnBackend
+
+    return TreeDeepseekV4AttnBackend(model_runner, **kwargs)
+
+
+def around_create_deepseek_v4_multistep_backend(original, model_runner, topk, speculative_num_steps):
+    if topk <= 1:
+        return original(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+    from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import is_dsv4_trtllm_attn_enabled
+
+    if is_dsv4_trtllm_attn_enabled():
+        raise ConfigError("dsv4_tree tree verify: --dsv4-attn-backend must be 'flashmla'")
+    from .backend import TreeDeepseekV4MultiStepBackend
+
+    return TreeDeepseekV4MultiStepBackend(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)

@@ -1,0 +1,69 @@
+"""Tree-verify metadata for SGLang's DeepSeek-V4 backend: a normal `DSV4Metadata` whose rows are
+tree rows (`tables.py`), so SGLang's FlashMLA sparse-decode call runs unchanged on it.
+
+`tree_core_attn_metadata` follows SGLang 0.5.23's `make_core_attn_metadata` for the plain
+paged-SWA case (no request window, ring, DSpark or low-ratio layers: `validate.py` refuses
+them), with the lengths taken from each node's depth and the three tree-specific fields
+(SWA index lists, entry write slots, C128 branch entries) from `tables.py`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import BuildPageTablePositions
+from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+from .tables import TreeVerifyTables, build_tree_verify_tables, tree_c128_page_indices
+
+
+@dataclass
+class TreeDSV4Metadata(dsv4.DSV4Metadata):
+    """SGLang's DSV4Metadata plus the tree tables its write side (compressor, indexer branch
+    candidates, commit) reads."""
+    tree: Optional[TreeVerifyTables] = None
+
+
+def tree_scratch_start(pool) -> dict:
+    """First scratch entry slot per ratio: past SGLang's committed C4 / C128 entry slots."""
+    return {4: int(pool.c4_logical_size), 128: int(pool.c128_size)}
+
+
+def tree_core_attn_metadata(backend, tables: TreeVerifyTables, out_cache_loc: torch.Tensor,
+                            max_seq_len: int) -> dsv4.DSV4AttnMetadata:
+    prep = BuildPageTablePositions.execute(
+        req_to_token=backend.req_to_token, req_pool_indices_repeated=tables.req_pool_indices_repeated,
+        seq_lens_casual=tables.seq_lens_casual, max_seq_len=max_seq_len, page_size=backend.page_size,
+        swa_window=dsv4.SWA_WINDOW)
+    core = dsv4.DSV4AttnMetadata(
+        page_size=backend.page_size, raw_out_loc=out_cache_loc, seq_lens_casual=prep.seq_lens_casual,
+        cuda_int32_kwargs=backend.cuda_int32_kwargs, positions_casual=prep.positions_casual,
+        page_table=prep.page_table, swa_page_indices=tables.swa_page_indices,
+        swa_topk_lengths=prep.swa_topk_lengths, index_topk=backend.index_topk,
+        present_ratios=backend.present_ratios, low_ratios=backend.low_ratios)
+    core.init_compression_metadata()
+    if core.has_c4:
+        core.c4_out_loc = tables.c4_out_loc
+    if core.has_c128:
+        core.c128_out_loc = tables.c128_out_loc
+        core.c128_page_indices = tree_c128_page_indices(core.c128_page_indices, tables.c128_branch,
+                                                        core.seq_lens_casual, tables.c128_committed)
+    core.init_flashmla_related(is_prefill=False)
+    return core
+
+
+def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next_token: torch.Tensor,
+                         retrieve_next_sibling: torch.Tensor) -> TreeDSV4Metadata:
+    """The full metadata of one tree verify from SGLang's raw verify record and the tree."""
+    pool = backend.token_to_kv_pool
+    tables = build_tree_verify_tables(
+        req_to_token=backend.req_to_token, full_to_swa_index_mapping=pool.full_to_swa_index_mapping,
+        req_pool_indices=raw.req_pool_indices, seq_lens=raw.seq_lens, retrieve_next_token=retrieve_next_token,
+        retrieve_next_sibling=retrieve_next_sibling, swa_window=dsv4.SWA_WINDOW,
+        scratch_start=tree_scratch_start(pool), scratch_per_request=backend.speculative_num_draft_tokens,
+        page_index_aligned_size=dsv4.PAGE_INDEX_ALIGNED_SIZE)
+    core = tree_core_attn_metadata(backend, tables, raw.out_cache_loc, backend.MAX_SEQ_LEN_FOR_CAPTURE)
+    indexer = backend.init_forward_metadata_indexer(core) if backend.has_c4 else None
+    # Compressor plans (c4 / c128_compress_metadata) are per-branch writes: SGLang's
+    # position-addressed plans collide for siblings, so none is attached here.
+    return TreeDSV4Metadata(core, indexer, tree=tables)

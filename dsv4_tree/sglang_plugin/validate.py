@@ -1,0 +1,62 @@
+"""Which SGLang configurations the tree-verify plug-in accepts: a pure check over the settings
+that decide the DeepSeek-V4 verify path, one ConfigError naming the first setting outside it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+DSV4_ARCHS = ("DeepseekV4ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class TreeServeSettings:
+    """The resolved SGLang settings the tree path depends on (`settings_from_server_args`)."""
+    model_arch: str
+    speculative_algorithm: str | None
+    topk: int
+    num_draft_tokens: int
+    dsv4_attn_backend: str
+    disable_cuda_graph: bool
+    attn_cp_size: int
+    dcp_size: int
+    enable_prefill_cp: bool
+    encoder_swa_bounded_replay: bool  # SGLang's per-request SWA window (not paged SWA)
+    unified_kv: bool  # the HIP unified KV pool (not paged SWA)
+    online_compress: bool  # SGLANG_OPT_USE_ONLINE_COMPRESS (online C128 state)
+    ragged_verify_mode: str  # SGLANG_RAGGED_VERIFY_MODE
+    draft_token_capacity: int  # most draft tokens per request the tree path has scratch for
+
+
+def tree_requested(s: TreeServeSettings) -> bool:
+    return s.model_arch in DSV4_ARCHS and s.speculative_algorithm == "EAGLE" and s.topk > 1
+
+
+def validate_tree_settings(s: TreeServeSettings) -> None:
+    """Raise ConfigError unless DeepSeek-V4 EAGLE tree verify (topk > 1) runs on the path this
+    plug-in builds metadata for; the message names the setting and what it must be."""
+    if s.model_arch not in DSV4_ARCHS:
+        raise ConfigError(f"dsv4_tree tree verify: model architecture {s.model_arch!r} is not one of {DSV4_ARCHS}")
+    if s.speculative_algorithm != "EAGLE" or s.topk <= 1:
+        raise ConfigError(f"dsv4_tree tree verify needs --speculative-algorithm EAGLE with "
+                          f"--speculative-eagle-topk > 1, got {s.speculative_algorithm!r} topk={s.topk}")
+    checks = (
+        (s.dsv4_attn_backend == "flashmla", f"--dsv4-attn-backend must be 'flashmla', got {s.dsv4_attn_backend!r}"),
+        (s.disable_cuda_graph, "--disable-cuda-graph is required (tree verify metadata is built eagerly; "
+                               "CUDA graph capture of tree verify is not supported)"),
+        (s.attn_cp_size == 1, f"attention context parallelism is not supported (attn_cp_size={s.attn_cp_size}, must be 1)"),
+        (s.dcp_size == 1, f"decode context parallelism is not supported (dcp_size={s.dcp_size}, must be 1)"),
+        (not s.enable_prefill_cp, "--enable-prefill-cp is not supported"),
+        (not s.encoder_swa_bounded_replay, "--enable-encoder-swa-bounded-replay is not supported (needs paged SWA)"),
+        (not s.unified_kv, "the unified KV pool (SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton) is not supported "
+                           "(needs paged SWA)"),
+        (not s.online_compress, "SGLANG_OPT_USE_ONLINE_COMPRESS=1 (online C128) is not supported"),
+        (s.ragged_verify_mode == "static",
+         f"SGLANG_RAGGED_VERIFY_MODE must be 'static', got {s.ragged_verify_mode!r}"),
+        (2 <= s.num_draft_tokens <= s.draft_token_capacity,
+         f"--speculative-num-draft-tokens must be in [2, {s.draft_token_capacity}] (the C4 compressor state "
+         f"ring holds that many verify rows per request), got {s.num_draft_tokens}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"dsv4_tree tree verify (EAGLE topk={s.topk}): {message}")

@@ -1,0 +1,74 @@
+"""Run in a fresh interpreter by test_sglang_plugin.py (SGLang applies plug-ins once per
+process): load SGLang's plug-ins as SGLang does, then resolve server arguments for tiny local
+configs and print one JSON line of what happened. argv[1]: a scratch folder."""
+import json
+import os
+import sys
+import tempfile
+
+from transformers import DeepseekV4Config, LlamaConfig
+
+
+def dsv4_dir(root: str) -> str:
+    d = os.path.join(root, "dsv4")
+    c = DeepseekV4Config(num_hidden_layers=4, hidden_size=256, vocab_size=1000, n_routed_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, q_lora_rank=64, o_lora_rank=64,
+                         index_n_heads=4, num_attention_heads=8)
+    c.architectures = ["DeepseekV4ForCausalLM"]
+    c.save_pretrained(d)
+    path = os.path.join(d, "config.json")
+    cfg = json.load(open(path))
+    cfg["compress_ratios"] = [0, 4, 128, 4, 0]  # the release config's per-layer list SGLang reads
+    json.dump(cfg, open(path, "w"))
+    return d
+
+
+def llama_dir(root: str) -> str:
+    d = os.path.join(root, "llama")
+    c = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=1000)
+    c.architectures = ["LlamaForCausalLM"]
+    c.save_pretrained(d)
+    return d
+
+
+def resolve(model_path: str, **kw):
+    from sglang.srt.server_args import ServerArgs
+
+    args = dict(model_path=model_path, speculative_algorithm="EAGLE", speculative_num_steps=3,
+                skip_tokenizer_init=True, device="cpu", random_seed=0)
+    args.update(kw)
+    try:
+        a = ServerArgs(**args)
+        a.resolve_once()
+        return {"ok": True, "resolved": {k: repr(v) for k, v in a.resolved_dict().items()}}
+    except BaseException as exc:  # what SGLang's launcher would report
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def main() -> None:
+    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+    import importlib.metadata as md
+
+    import sglang.srt.plugins as plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    plugins.load_plugins()
+    from dsv4_tree.sglang_plugin import HOOK_TARGETS
+
+    out = {"entry_points": sorted(f"{e.name}={e.value}" for e in md.entry_points(group="sglang.srt.plugins")),
+           "applied": sorted(t for t in HOOK_TARGETS if t in HookRegistry._patched)}
+    v4, llama = dsv4_dir(root), llama_dir(root)
+    out["v4_topk4"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_cuda_graph=True)
+    out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
+                                   disable_cuda_graph=True)
+    out["v4_topk1"] = resolve(v4, speculative_eagle_topk=1, speculative_num_draft_tokens=4, disable_cuda_graph=True)
+    out["llama_topk4_page256"] = resolve(llama, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                                         page_size=256, disable_cuda_graph=True,
+                                         speculative_draft_model_path=llama)
+    print("PROBE " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The plug-in inside SGLang 0.5.23: SGLang's own `load_plugins()` finds and runs the entry
+point, every hook reports applied, and server-argument resolution (SGLang's own pipeline, on
+tiny local configs) accepts DeepSeek-V4 with EAGLE topk 4 while every other case behaves as
+without the plug-in."""
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsv4_tree.sglang_plugin as plugin
+from dsv4_tree.errors import ConfigError
+from dsv4_tree.sglang_plugin.validate import TreeServeSettings, validate_tree_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("plugin_probe.py")
+
+
+def run_probe(tmp_path, plugins_on: bool) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if not plugins_on:
+        env["SGLANG_PLUGINS"] = "none-installed"  # SGLang's whitelist: skips every plug-in
+    out = subprocess.run([sys.executable, str(PROBE), str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")][-1]
+    return json.loads(line[len("PROBE "):])
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")  # one folder: the resolved paths compare equal
+    return run_probe(models, True), run_probe(models, False)
+
+
+def test_load_plugins_applies_every_hook(probes):
+    on, off = probes
+    assert on["entry_points"] == ["dsv4_tree=dsv4_tree.sglang_plugin:register"]
+    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 4
+    assert off["applied"] == []
+
+
+def test_dsv4_topk4_passes_resolution(probes):
+    on, off = probes
+    res = on["v4_topk4"]
+    assert res["ok"], res
+    r = res["resolved"]
+    assert (r["speculative_eagle_topk"], r["speculative_num_draft_tokens"], r["page_size"]) == ("4", "8", "256")
+    assert (r["attention_backend"], r["dsv4_attn_backend"]) == ("'dsv4'", "'flashmla'")
+    assert not off["v4_topk4"]["ok"] and "topk == 1" in off["v4_topk4"]["error"]  # SGLang's own refusal
+
+
+def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
+    on, _ = probes
+    assert on["v4_topk4_graphs"]["error"].startswith("ConfigError") and "--disable-cuda-graph" in on["v4_topk4_graphs"]["error"]
+    many = on["v4_topk4_many"]["error"]
+    assert many.startswith("ConfigError") and "--speculative-num-draft-tokens" in many and "got 16" in many
+
+
+def test_other_models_and_topk1_unchanged(probes):
+    on, off = probes
+    # a non-DSV4 model with topk > 1 and page size 256: SGLang's gate still fires, word for word
+    assert not on["llama_topk4_page256"]["ok"]
+    assert on["llama_topk4_page256"] == off["llama_topk4_page256"]
+    assert "page_size > 1" in on["llama_topk4_page256"]["error"]
+    # topk 1 on DeepSeek-V4: the same resolved arguments as without the plug-in
+    assert on["v4_topk1"]["ok"] and on["v4_topk1"] == off["v4_topk1"]
+
+
+def settings(**kw) -> TreeServeSettings:
+    base = dict(model_arch="DeepseekV4ForCausalLM", speculative_algorithm="EAGLE", topk=4, num_draft_tokens=8,
+                dsv4_attn_backend="flashmla", disable_cuda_graph=True, attn_cp_size=1, dcp_size=1,
+                enable_prefill_cp=False, encoder_swa_bounded_replay=False, unified_kv=False, online_compress=False,
+                ragged_verify_mode="static", draft_token_capacity=10)
+    base.update(kw)
+    return TreeServeSettings(**base)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"dsv4_attn_backend": "trtllm"}, "--dsv4-attn-backend"),
+    ({"dsv4_attn_backend": "flashmla_mega"}, "--dsv4-attn-backend"),
+    ({"disable_cuda_graph": False}, "--disable-cuda-graph"),
+    ({"attn_cp_size": 2}, "attn_cp_size"),
+    ({"dcp_size": 2}, "dcp_size"),
+    ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
+    ({"encoder_swa_bounded_replay": True}, "--enable-encoder-swa-bounded-replay"),
+    ({"unified_kv": True}, "unified_kv_triton"),
+    ({"online_compress": True}, "SGLANG_OPT_USE_ONLINE_COMPRESS"),
+    ({"ragged_verify_mode": "dynamic"}, "SGLANG_RAGGED_VERIFY_MODE"),
+    ({"num_draft_tokens": 11}, "--speculative-num-draft-tokens"),
+    ({"model_arch": "LlamaForCausalLM"}, "LlamaForCausalLM"),
+])
+def test_validator_names_the_setting(change, named):
+    validate_tree_settings(settings())  # the accepted configuration
+    with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
+        validate_tree_settings(settings(**change))
+
+
+def test_other_sglang_versions_get_no_hooks(monkeypatch, caplog):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.24")
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        assert plugin.register() is False
+    assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
+    lines = [r for r in caplog.records if r.name == plugin.__name__]
+    assert len(lines) == 1 and "0.5.23" in lines[0].getMessage() and "0.5.24" in lines[0].getMessage()
+
+
+def test_factories_pick_the_tree_backend_only_for_topk_above_1(monkeypatch):
+    from sglang.srt.layers.attention import deepseek_v4_trtllm_backend as trt
+
+    from dsv4_tree.sglang_plugin import backend, hooks
+
+    calls = []
+    monkeypatch.setattr(trt, "is_dsv4_trtllm_attn_enabled", lambda: False)  # --dsv4-attn-backend flashmla
+    monkeypatch.setattr(trt, "is_dsv4_mega_attn_enabled", lambda: False)
+    monkeypatch.setattr(hooks, "_tree_topk", lambda runner: runner)
+    monkeypatch.setattr(backend.TreeDeepseekV4AttnBackend, "__init__", lambda self, runner, **kw: calls.append(("tree", kw)))
+    monkeypatch.setattr(backend.TreeDeepseekV4MultiStepBackend, "__init__",
+                        lambda self, runner, topk, speculative_num_steps: calls.append(("tree-ms", topk)))
+    orig = lambda runner, **kw: ("original", kw)  # noqa: E731
+    assert hooks.around_create_deepseek_v4_attn_backend(orig, 1, skip_prefill=True) == ("original", {"skip_prefill": True})
+    assert hooks.around_create_deepseek_v4_attn_backend(orig, 0) == ("original", {})
+    assert isinstance(hooks.around_create_deepseek_v4_attn_backend(orig, 4, skip_prefill=True),
+                      backend.TreeDeepseekV4AttnBackend)
+    ms = lambda runner, topk, speculative_num_steps: ("original-ms", topk)  # noqa: E731
+    assert hooks.around_create_deepseek_v4_multistep_backend(ms, None, 1, 3) == ("original-ms", 1)
+    assert isinstance(hooks.around_create_deepseek_v4_multistep_backend(ms, None, 4, 3),
+                      backend.TreeDeepseekV4MultiStepBackend)
+    assert calls == [("tree", {"skip_prefill": True}), ("tree-ms", 4)]
+    monkeypatch.setattr(trt, "is_dsv4_trtllm_attn_enabled", lambda: True)
+    with pytest.raises(ConfigError, match="--dsv4-attn-backend"):
+        hooks.around_create_deepseek_v4_attn_backend(orig, 4)
+
+
+def test_backend_init_sees_topk_1_and_keeps_the_real_spec(monkeypatch):
+    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+    from dsv4_tree.sglang_plugin.backend import _topk_one_view
+
+    class Spec:
+        speculative_eagle_topk, speculative_num_draft_tokens = 4, 8
+
+    monkeypatch.setattr(dsv4, "get_spec", lambda: Spec())
+    real = dsv4.get_spec
+    with _topk_one_view() as outer:
+        assert dsv4.get_spec().speculative_eagle_topk == 1 and dsv4.get_spec().speculative_num_draft_tokens == 8
+        with _topk_one_view() as inner:  # the multi-step backend builds step backends inside its __init__
+            assert inner is outer is real and dsv4.get_spec().speculative_eagle_topk == 1
+        assert dsv4.get_spec().speculative_eagle_topk == 1
+    assert dsv4.get_spec is real and dsv4.get_spec().speculative_eagle_topk == 4
+
+
+def test_cuda_graph_entry_points_refuse():
+    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend, TreeDeepseekV4MultiStepBackend
+
+    for cls in (TreeDeepseekV4AttnBackend, TreeDeepseekV4MultiStepBackend):
+        b = object.__new__(cls)
+        for name in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "replay_cuda_graph_metadata_from"):
+            with pytest.raises(ConfigError, match="--disable-cuda-graph"):
+                getattr(b, name)(1, 2)
+
+
+def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no_flashmla_schedule):
+    """The tree backend's eager path: init_forward_metadata keeps the batch's tree for
+    make_forward_metadata_from_raw_verify (SGLang's own call order), which builds tree rows;
+    without a tree it refuses; the write-side steps refuse on tree metadata."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+    from dsv4_tree.errors import StateError
+    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
+    from dsv4_tree.sglang_plugin.metadata import TreeDSV4Metadata, tree_verify_metadata
+    from sgl_cases import StandIn, layout, sglang_tree
+
+    gen = torch.Generator().manual_seed(5)
+    lens, n = [250, 7], 8
+    req_to_token, mapping = layout(lens, n, gen)
+    stand_in = StandIn(req_to_token, mapping, n)
+    be = object.__new__(TreeDeepseekV4AttnBackend)
+    be.__dict__.update(stand_in.__dict__)
+    be.topk, be._tree_spec_info = 4, None
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    out_loc = torch.cat([req_to_token[r, p:p + n] for r, p in zip(rpi.tolist(), lens)]).to(torch.int64)
+    _, rn, rs = sglang_tree(2, 4, 3, n, seq_lens, gen)
+    raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
+
+    def sglang_init(self, forward_batch):  # what SGLang's eager init does for TARGET_VERIFY
+        self.forward_metadata = self.make_forward_metadata_from_raw_verify(raw)
+
+    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata", sglang_init)
+    monkeypatch.setattr(dsv4, "_get_logical_forward_mode", lambda fb: fb.forward_mode)
+    verify = SimpleNamespace(is_target_verify=lambda: True)
+    batch = SimpleNamespace(forward_mode=verify, spec_info=SimpleNamespace(retrieve_next_token=rn,
+                                                                           retrieve_next_sibling=rs))
+    be.init_forward_metadata(batch)
+    assert be._tree_spec_info is None  # not kept past the call
+    got, want = be.forward_metadata, tree_verify_metadata(stand_in, raw, rn, rs)
+    assert isinstance(got, TreeDSV4Metadata)
+    for f in ("swa_page_indices", "seq_lens_casual", "c4_out_loc", "c128_page_indices"):
+        assert torch.equal(getattr(got.core_attn_metadata, f), getattr(want.core_attn_metadata, f)), f
+    with pytest.raises(StateError, match="per-branch"):
+        be.forward_core_compressor()
+    with pytest.raises(StateError, match="per-branch"):
+        be.forward_indexer_compressor()
+    decode = SimpleNamespace(is_target_verify=lambda: False)
+    with pytest.raises(StateError, match="without the batch's tree"):
+        be.init_forward_metadata(SimpleNamespace(forward_mode=decode, spec_info=None))
+    with pytest.raises(StateError, match="draft decode with topk=4"):
+        be.init_forward_metadata_decode(0, rpi, seq_lens, torch.zeros(8, dtype=torch.int64))
