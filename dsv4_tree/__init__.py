@@ -3,6 +3,7 @@ from . import reference, serving, tree
 from .config import SpecConfig
 from .engine import Engine, Request, VerifyOutput
 from .errors import CheckpointError, ConfigError, Dsv4TreeError, InputError, StateError, TreeError
+from .hf_generate import custom_generate
 from .hooks import validate_spec
 from .model import Model, load_model, tiny_checkpoint, tiny_config, trained_checkpoint
 from .tree import DraftTree
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
-    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "load_model", "reference",
+    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "custom_generate", "load_model", "reference",
     "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]

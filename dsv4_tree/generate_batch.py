@@ -26,9 +26,13 @@ def _budgets(prompts, max_new_tokens) -> list:
 
 
 def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
-                   eos_token_id=None, generator=None, progress=None) -> list:
+                   eos_token_id=None, generator=None, progress=None, hooks=None) -> list:
     """One GenerateResult per prompt, in order. max_new_tokens: one int or one per prompt.
-    Greedy results equal per-prompt `generate` token for token."""
+    Greedy results equal per-prompt `generate` token for token.
+
+    hooks (optional; hf_generate uses it): hooks.accept(indices, requests, trees, out) returns
+    the round's acceptances in place of the temperature / top_p rule (indices: the prompts'
+    positions), and hooks.emitted(index, tokens, done) sees each request's kept tokens."""
     budgets = _budgets(prompts, max_new_tokens)
     check_stop_args(eos_token_id, generator)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
@@ -39,14 +43,14 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=No
         for req, n in zip(reqs, budgets):
             check_room(engine, req, n)
         with token_bar(sum(budgets), progress, f"generate_batch[{len(reqs)}]") as bar:
-            return _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos_token_id, generator, bar)
+            return _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos_token_id, generator, bar, hooks)
     finally:
         for req in reqs:
             if not req.released:
                 engine.release(req)
 
 
-def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, bar) -> list:
+def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, bar, hooks=None) -> list:
     results = [GenerateResult([], GenerateStats()) for _ in reqs]
     live = list(range(len(reqs)))
     while live:
@@ -55,7 +59,9 @@ def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, 
         t0 = time.perf_counter()
         out = engine.verify(batch, trees)
         seconds = time.perf_counter() - t0
-        if temperature is not None:
+        if hooks is not None:
+            accs = hooks.accept(live, batch, trees, out)
+        elif temperature is not None:
             accs = engine.accept_sampling(batch, trees, out, temperature, top_p, generator)
         else:
             accs = engine.accept_greedy(batch, trees, out)
@@ -71,6 +77,8 @@ def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, 
             bar.update(len(emitted))
             if not stop and len(res.tokens) < budgets[i]:
                 still.append(i)
+            if hooks is not None:
+                hooks.emitted(i, emitted, not still or still[-1] != i)
         engine.commit(batch, kept, out)
         for i in live:
             if i not in still:
