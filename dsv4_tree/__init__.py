@@ -13,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
-    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "custom_generate", "load_model", "reference",
-    "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
+    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "custom_generate", "load_model",
+    "reference", "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]

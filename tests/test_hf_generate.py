@@ -81,8 +81,8 @@ def test_greedy_eos_hits_equal_model_generate(which, drafter):
 def test_left_padded_batch_rows_equal_their_own_runs(which, drafter):
     """Each row equals transformers' greedy run of its unpadded prompt; rows finishing at an
     EOS are padded with pad_token_id; the prompts come back as given. (transformers' own
-    padded batch is not the reference: on the trained checkpoint its row with 32 pads differs
-    from that prompt's unpadded run.)"""
+    padded batch is not the reference: on the trained checkpoint its row with 15 pads here
+    differs from that prompt's unpadded run.)"""
     model = hf_model(which)
     prompts = prompts_for(which)
     ids, mask = left_padded(prompts, pad=0)
@@ -233,3 +233,40 @@ def test_refused_inputs():
     with pytest.raises(dt.InputError, match="position_ids"):
         model.generate(ids, attention_mask=mask, position_ids=torch.zeros_like(ids), max_new_tokens=4,
                        custom_generate=dt.custom_generate)
+
+
+def test_num_return_sequences_rows_sampled_independently():
+    """transformers expands the rows before calling us; each is its own request."""
+    model = hf_model("trained")
+    p = heldout_prompt(28, 6)  # an uncertain next byte (test_hf_generate_sampling.py)
+    torch.manual_seed(0)
+    out = model.generate(torch.tensor([p]), do_sample=True, num_return_sequences=8, max_new_tokens=3,
+                         custom_generate=dt.custom_generate)
+    assert out.shape == (8, len(p) + 3) and torch.equal(out[:, : len(p)], torch.tensor([p] * 8))
+    assert len({tuple(r) for r in out[:, len(p):].tolist()}) > 1, "8 samples of an uncertain byte all equal"
+
+
+def test_processors_per_node_equal_transformers_per_row():
+    """process() gives every node what transformers' LogitsProcessorList gives that node's
+    row: the processors we accept, in transformers' order, on nodes of different lengths."""
+    from transformers.generation.logits_process import (
+        LogitNormalization, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from dsv4_tree.hf_generate.target import NodeLengths, process
+
+    eos = torch.tensor([3, 7])
+    procs = (MinLengthLogitsProcessor(12, eos), MinNewTokensLengthLogitsProcessor(8, 5, eos),
+             TemperatureLogitsWarper(0.7), TopKLogitsWarper(9), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05),
+             LogitNormalization())
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 10, 10, 11, 12, 13, 14, 9])  # below, at and past both EOS thresholds
+    scores = torch.randn(len(lengths), 32, generator=g) * 3
+    scores[:, 3] += 4  # EOS would win where it is not masked
+    got = process(procs, scores.clone(), NodeLengths(lengths))
+    for row, n in enumerate(lengths.tolist()):
+        ids = torch.randint(0, 32, (1, n), generator=g)
+        want = LogitsProcessorList(procs)(ids, scores[row : row + 1].clone())
+        # the same float32 ops on one row or on a batch of rows: bitwise equal
+        assert torch.equal(got[row : row + 1], want), f"{row=} {n=}"
+    assert bool(torch.isinf(got[:5, 3]).all()) and not bool(torch.isinf(got[5:7, 3]).any())

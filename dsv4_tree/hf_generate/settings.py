@@ -52,7 +52,8 @@ def check_config(gc) -> None:
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise _refuse(f"generation mode {mode.value} (num_beams={gc.num_beams}, penalty_alpha={gc.penalty_alpha}, "
                       f"prompt_lookup_num_tokens={gc.prompt_lookup_num_tokens})",
-                      "only greedy search (do_sample=False) and sampling (do_sample=True, num_beams=1) are tree-verified")
+                      "only greedy search (do_sample=False) and sampling (do_sample=True, num_beams=1) "
+                      "are tree-verified")
     if gc.return_dict_in_generate:
         asked = [f for f in OUTPUT_FLAGS if getattr(gc, f, False)]
         if asked:
@@ -63,11 +64,13 @@ def check_config(gc) -> None:
 
 
 def check_processors(logits_processor) -> tuple:
+    known = ROW_PROCESSORS + LENGTH_PROCESSORS
     for proc in logits_processor:
-        if type(proc) not in ROW_PROCESSORS + LENGTH_PROCESSORS:  # exact classes: a subclass may read more
+        if type(proc) not in known:  # exact classes: a subclass may read more
             raise _refuse(f"the logits processor {type(proc).__name__}",
                           f"lossless acceptance applies processors that read only a row's scores or its length "
-                          f"({', '.join(sorted(c.__name__ for c in ROW_PROCESSORS + LENGTH_PROCESSORS))}); unset the generation_config field that adds it "
+                          f"({', '.join(sorted(c.__name__ for c in known))}); unset the generation_config field "
+                          "that adds it "
                           "(repetition_penalty, bad_words_ids, no_repeat_ngram_size, sequence_bias, ...) or "
                           "drop it from logits_processor")
     return tuple(logits_processor)
@@ -158,6 +161,8 @@ def read_request(input_ids, logits_processor, stopping_criteria, gc, model_kwarg
     processors = check_processors(logits_processor if logits_processor is not None else [])
     budget, eos = stop_rules(stopping_criteria if stopping_criteria is not None else [], input_ids.shape[1])
     prompts = strip_padding(input_ids, mask)
-    pad = gc._pad_token_tensor
+    # generate sets _pad_token_tensor (eos_token_id[0] when pad_token_id is None and there is an EOS)
+    pad = getattr(gc, "_pad_token_tensor", None)
+    pad = gc.pad_token_id if pad is None else pad
     pad = None if pad is None else int(torch.as_tensor(pad).reshape(-1)[0])
     return HFRequest(prompts, budget, eos, pad, bool(gc.do_sample), processors, bool(gc.return_dict_in_generate))
