@@ -17,15 +17,15 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; loaded on first access (they import transformers)
 _LAZY = {
-    "Engine": ".engine", "Request": ".engine", "VerifyOutput": ".engine",
+    "Engine": ".engine", "Request": ".engine", "VerifyOutput": ".engine", "custom_generate": ".hf_generate",
     "Model": ".model", "load_model": ".model", "tiny_checkpoint": ".checkpoint", "tiny_config": ".checkpoint",
     "trained_checkpoint": ".checkpoint",
 }
 
 __all__ = [
     "Acceptance", "CheckpointError", "ConfigError", "DraftTree", "Dsv4TreeError", "Engine", "InputError",
-    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "load_model", "reference",
-    "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
+    "Model", "Request", "SpecConfig", "StateError", "TreeError", "VerifyOutput", "custom_generate", "load_model",
+    "reference", "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]
 
 

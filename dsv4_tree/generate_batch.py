@@ -45,6 +45,7 @@ def _budgets(prompts, max_new_tokens) -> list:
 class _Job:
     """One prompt's progress: its ids, its budget, its result so far and its live request."""
 
+    index: int  # the prompt's position in the call
     prompt: torch.Tensor  # [L] the prompt as given
     budget: int
     result: GenerateResult
@@ -60,9 +61,14 @@ class _Job:
 
 
 def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
-                   eos_token_id=None, generator=None, progress=None) -> list:
+                   eos_token_id=None, generator=None, progress=None, hooks=None) -> list:
     """One GenerateResult per prompt, in order. max_new_tokens: one int or one per prompt.
-    Greedy results equal per-prompt `generate` token for token."""
+    Greedy results equal per-prompt `generate` token for token.
+
+    hooks (optional; hf_generate uses it): hooks.accept(indices, requests, trees, out) returns
+    the round's acceptances in place of the temperature / top_p rule (indices: the prompts'
+    positions), and hooks.emitted(index, tokens, done) sees each request's kept tokens (done
+    once it has finished, for any stop reason)."""
     budgets = _budgets(prompts, max_new_tokens)
     check_stop_args(eos_token_id, generator, engine.model.vocab_size)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
@@ -70,10 +76,10 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=No
     for i, (x, n) in enumerate(zip(ids, budgets)):
         check_room(engine, x.numel() - 1, n, f"max_new_tokens[{i}]")
     drafter = resolve_drafter(engine, drafter)
-    jobs = [_Job(x, n, GenerateResult([], GenerateStats())) for x, n in zip(ids, budgets)]
+    jobs = [_Job(i, x, n, GenerateResult([], GenerateStats())) for i, (x, n) in enumerate(zip(ids, budgets))]
     try:
         with token_bar(sum(budgets), progress, f"generate_batch[{len(jobs)}]") as bar:
-            _run(engine, jobs, drafter, temperature, top_p, eos_token_id, generator, bar)
+            _run(engine, jobs, drafter, temperature, top_p, eos_token_id, generator, bar, hooks)
     finally:
         for job in jobs:
             if job.req is not None and not job.req.released:
@@ -81,17 +87,16 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=No
     return [job.result for job in jobs]
 
 
-def _run(engine, jobs, drafter, temperature, top_p, eos, generator, bar) -> None:
+def _run(engine, jobs, drafter, temperature, top_p, eos, generator, bar, hooks) -> None:
     queue, live, blocked = list(jobs), [], False
     while queue or live:
         if not blocked:
             _admit(engine, queue, live)
         if not live:  # the head of the queue cannot be prefilled even alone
-            job = queue.pop(0)
-            job.result.stop_reason = "out_of_pages"
+            _finish(queue.pop(0), "out_of_pages", hooks)
             continue
         try:
-            done = _round(engine, live, drafter, temperature, top_p, eos, generator, bar)
+            done = _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks)
         except PoolExhausted:
             job = live.pop()  # the newest admitted: the least work lost
             engine.release(job.req)
@@ -101,13 +106,19 @@ def _run(engine, jobs, drafter, temperature, top_p, eos, generator, bar) -> None
                 queue.insert(0, job)
                 blocked = True
             else:
-                job.result.stop_reason = "out_of_pages"
+                _finish(job, "out_of_pages", hooks)
             continue
         for job in done:
             live.remove(job)
             engine.release(job.req)
             job.req = None
             blocked = False
+
+
+def _finish(job, reason: str, hooks) -> None:
+    job.result.stop_reason = reason
+    if hooks is not None:
+        hooks.emitted(job.index, [], True)
 
 
 def _admit(engine, queue, live) -> None:
@@ -126,14 +137,16 @@ def _admit(engine, queue, live) -> None:
         return
 
 
-def _round(engine, live, drafter, temperature, top_p, eos, generator, bar) -> list:
+def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks) -> list:
     """One draft / verify / accept / commit round; the jobs that finished."""
     batch = [job.req for job in live]
     trees = [fit_tree(t, job.left) for t, job in zip(drafter.draft(engine, batch), live)]
     t0 = time.perf_counter()
     out = engine.verify(batch, trees)
     seconds = time.perf_counter() - t0
-    if temperature is not None:
+    if hooks is not None:
+        accs = hooks.accept([job.index for job in live], batch, trees, out)
+    elif temperature is not None:
         accs = engine.accept_sampling(batch, trees, out, temperature, top_p, generator)
     else:
         accs = engine.accept_greedy(batch, trees, out)
@@ -150,7 +163,10 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar) -> li
         res.stats.accept_lengths.append(len(emitted))
         res.stats.verify_seconds += seconds
         bar.update(len(emitted))
-        if stop or job.left == 0:
+        finished = stop or job.left == 0
+        if finished:
             res.stop_reason = "eos" if res.tokens[-1] in eos_set(eos) else "length"
             done.append(job)
+        if hooks is not None:
+            hooks.emitted(job.index, emitted, finished)
     return done

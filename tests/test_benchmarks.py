@@ -71,3 +71,16 @@ def test_bench_accept_timing_takes_the_fastest_and_refuses_changing_outputs():
     job = lambda x: order.append(x) or [x]  # noqa: E731
     got = bench.timed_rounds(2, [(job, ("a",)), (job, ("b",))])
     assert order == ["a", "b", "a", "b"] and [out for out, _ in got] == [["a"], ["b"]]
+
+
+def test_bench_hf_generate_small_run_is_identical_to_hf(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_hf_generate", ROOT / "benchmarks" / "bench_hf_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--prompts", "1", "--prompt-len", "64", "--new-tokens", "6", "--batch", "2", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cases = {r["case"]: r for r in out["records"]}
+    assert cases["custom_generate"]["output_identical"] and cases["custom_generate, padded batch x2"]["output_identical"]
+    assert out["cpu"] and all(r["tokens"] > 0 for r in out["records"])

@@ -1,0 +1,145 @@
+"""`custom_generate`: tree speculation as the decoding loop of transformers' own `generate`.
+
+    out = model.generate(input_ids, custom_generate=dsv4_tree.custom_generate, max_new_tokens=64)
+
+transformers prepares the generation config, logits processors, stopping criteria and model
+kwargs as for any `generate` call, then calls this in place of its `_sample` loop. We read
+what was asked (settings.py), run every row through one engine's `generate_batch` (one
+draft pass and one verify per round for the whole batch), accept against transformers' own
+target (target.py) and return transformers' layout (columns.py)."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from ..config import SpecConfig
+from ..engine import Engine
+from ..errors import InputError
+from ..generate_batch import generate_batch
+from ..model.checkpoint_files import shard_files
+from ..checkpoint.mtp import MTP_PREFIX
+from .columns import Columns
+from .settings import read_request
+from .target import TreeAcceptor
+
+log = logging.getLogger("dsv4_tree.hf_generate")
+
+# The tree when generation_config sets none of our keys: the fastest measured on the trained
+# checkpoint (benchmarks/bench_accept.py, README): the MTP block's topk-4 tree of 8 nodes in 2
+# draft steps (20 candidates already fill its 7 draft slots; a third step costs a draft pass
+# for +0.05 tokens per verify), and for the n-gram trie topk 4, 3 steps, 8 nodes.
+DEFAULT_SHAPES = {"mtp": (4, 2, 8), "ngram": (4, 3, 8)}
+SHAPE_KEYS = ("dsv4_eagle_topk", "dsv4_num_steps", "dsv4_num_draft_tokens")
+ENGINES_ATTR = "_dsv4_tree_engines"  # on the model: (spec, device, dtype) -> Engine
+
+
+def checkpoint_dir(hf) -> Path | None:
+    """The local directory the model was loaded from (config._name_or_path), if any."""
+    name = getattr(hf.config, "_name_or_path", None)
+    path = Path(name) if name else None
+    return path if path is not None and path.is_dir() else None
+
+
+def has_mtp(path: Path | None) -> bool:
+    """Whether the checkpoint's safetensors hold an MTP block (names only, nothing read)."""
+    if path is None or not list(path.glob("*.safetensors")):
+        return False
+    for f in shard_files(path):
+        with safe_open(str(f), framework="pt") as fh:
+            if any(k.startswith(MTP_PREFIX) for k in fh.keys()):
+                return True
+    return False
+
+
+def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
+    """(drafter name, spec) from our keys (custom_generate kwargs, else generation_config
+    attributes): dsv4_drafter "mtp" | "ngram", dsv4_eagle_topk / dsv4_num_steps /
+    dsv4_num_draft_tokens. Unset: MTP when the checkpoint directory has an MTP block, else
+    n-gram, each at its DEFAULT_SHAPES tree."""
+    def key(name):
+        return given[name] if given.get(name) is not None else getattr(gc, name, None)
+
+    drafter = key("dsv4_drafter")
+    if drafter is None:
+        drafter = "mtp" if has_mtp(checkpoint_dir(hf)) else "ngram"
+    if drafter not in DEFAULT_SHAPES:
+        raise InputError(f"dsv4_drafter={drafter!r}: choose one of {sorted(DEFAULT_SHAPES)}")
+    topk, steps, nodes = (key(k) for k in SHAPE_KEYS)
+    dk, ds, dn = DEFAULT_SHAPES[drafter]
+    topk, steps = dk if topk is None else topk, ds if steps is None else steps
+    if nodes is None and (topk, steps) == (dk, ds):
+        nodes = dn
+    return drafter, SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes)
+
+
+def engine_for(hf, spec: SpecConfig, rows: int) -> Engine:
+    """One engine per model, spec, device and dtype, kept on the model (its pools are
+    allocated once; the MTP block is read once); pools for at least `rows` requests."""
+    spec = spec.replace(max_requests=max(spec.max_requests, 1 << (rows - 1).bit_length()))
+    engines = hf.__dict__.setdefault(ENGINES_ATTR, {})
+    key = (spec, hf.lm_head.weight.device, hf.lm_head.weight.dtype)
+    if key not in engines:
+        engine = Engine(hf, spec)
+        engine.model.source = checkpoint_dir(hf)
+        engines[key] = engine
+    return engines[key]
+
+
+def generate_locals() -> dict:
+    """The locals of the transformers `generate` call that called us ({} when called directly).
+
+    transformers 5.23 hands a callable custom_generate neither `streamer` nor `synced_gpus`
+    nor `assistant_model` (_extract_generation_mode_kwargs keeps only keys outside _sample's
+    signature), yet has already put the prompt to the streamer: reading them from its frame is
+    the only way to honour them, or to refuse them (tests/test_hf_generate.py checks it)."""
+    code = getattr(GenerationMixin.generate, "__wrapped__", GenerationMixin.generate).__code__
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        if frame.f_code is code:
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
+
+
+def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                    synced_gpus=False, streamer=None, dsv4_drafter=None, dsv4_eagle_topk=None,
+                    dsv4_num_steps=None, dsv4_num_draft_tokens=None, **model_kwargs):
+    """transformers' decoding-loop signature (GenerationMixin._sample's) plus our tree keys.
+
+    Returns `sequences` [batch, input_len + new] (prompts as given, finished rows padded with
+    pad_token_id), or GenerateDecoderOnlyOutput(sequences=...) with return_dict_in_generate."""
+    caller = generate_locals()
+    streamer = streamer if streamer is not None else caller.get("streamer")
+    gc = generation_config if generation_config is not None else model.generation_config
+    caller = {**caller, "synced_gpus": synced_gpus or caller.get("synced_gpus")}
+    ask = read_request(input_ids, logits_processor, stopping_criteria, gc, model_kwargs, caller)
+    given = {"dsv4_drafter": dsv4_drafter, "dsv4_eagle_topk": dsv4_eagle_topk, "dsv4_num_steps": dsv4_num_steps,
+             "dsv4_num_draft_tokens": dsv4_num_draft_tokens}
+    drafter, spec = choose_tree(model, gc, given)
+    engine = engine_for(model, spec, len(ask.prompts))
+    log.info("dsv4_tree.custom_generate: %s drafter, eagle_topk=%d num_steps=%d num_draft_tokens=%d",
+             drafter, spec.eagle_topk, spec.num_steps, spec.num_draft_tokens)
+    columns = Columns(input_ids.shape[1], len(ask.prompts), ask.pad, streamer)
+    hooks = _Hooks(TreeAcceptor(engine, ask.processors, ask.do_sample, input_ids.device, columns.seq_len), columns)
+    generate_batch(engine, ask.prompts, ask.budget, drafter=drafter, eos_token_id=list(ask.eos) or None,
+                   progress=False, hooks=hooks)
+    new = columns.finish().to(input_ids.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if ask.return_dict:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+class _Hooks:
+    """generate_batch's hooks: acceptance against transformers' target, tokens into columns."""
+
+    def __init__(self, accept: TreeAcceptor, columns: Columns):
+        self.accept = accept
+        self.emitted = columns.emitted
