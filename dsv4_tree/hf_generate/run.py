@@ -21,7 +21,7 @@ from ..config import SpecConfig
 from ..engine import Engine
 from ..errors import InputError
 from ..generate_batch import generate_batch
-from ..model.checkpoint_files import shard_files
+from ..checkpoint.files import shard_files
 from ..checkpoint.mtp import MTP_PREFIX
 from .columns import Columns
 from .settings import read_request
