@@ -13,7 +13,6 @@ from .model.adapter import Model, load_model
 from .model.forward import RowsRun, run_rows
 from .model.graphs import GraphCache
 from .request import Request, VerifyOutput, check_live
-from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
@@ -191,10 +190,12 @@ class Engine:
         return req
 
     def plan(self, requests, trees) -> VerifyPlan:
-        """Host half of verify: validate, map draft slots, build the batch's tables."""
+        """Host schedule of verify (validate, map draft slots, one packed host-to-device copy),
+        then the batch's tables built on the device (serving/tables.py)."""
         self._check_batch(requests, trees)
         check_live(requests)
-        return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
+        return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees,
+                                 bucketed=len(trees) <= self.spec.cuda_graph_max_bs)
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
         """Device half of verify: one forward over all rows (no host synchronisation inside)."""
@@ -211,15 +212,11 @@ class Engine:
         """The verify forward; padded to a static-shape bucket (and on CUDA replayed from a
         captured graph) when SpecConfig.cuda_graph_max_bs covers the batch."""
         dev, rt = self.model.device, self.runtime
-        if not 0 < len(plan.num_nodes) <= self.spec.cuda_graph_max_bs:
+        if plan.bucket is None or dev.type != "cuda":
             return run_rows(self.model, plan.to(dev), rt.pools, self.ops)
-        bucket = bucket_for(plan, self.limits.max_nodes)
-        padded = pad_plan(plan, bucket, rt.layout).to(dev)
-        if dev.type != "cuda":
-            return run_rows(self.model, padded, rt.pools, self.ops)
         if self._graphs is None:
             self._graphs = GraphCache(self.model, rt.pools, self.ops)
-        return self._graphs.run(padded, bucket)
+        return self._graphs.run(plan.to(dev), plan.bucket)
 
     def verify(self, requests, trees) -> VerifyOutput:
         """Logits of every node of every tree; committed state is never changed."""

@@ -6,7 +6,9 @@ One program per (row, tile of BC candidates): the row's query heads [HI, dI] sta
 the candidates' keys are gathered from pool storage (FP8 KV or indexer-key records dequantised in
 the kernel), and the head-weighted ReLU sum is reduced in place. Dots take fp32 inputs with
 `input_precision="ieee"` (never TF32); bf16 queries are widened (see sparse_decode.py).
-Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores."""
+`indexer_paged_scores` runs the same kernel with each row reading its request's candidate row
+(the committed keys through the request's entry page table, no per-row table).
+Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores / ref_indexer_paged_scores."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +22,9 @@ from ._pool_rows import load_pool_rows, pool_format
 
 
 @triton.jit
-def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
+def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, crow_ptr, out_ptr, H, D, C, scale,
                            k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-                           FMT: tl.constexpr,
+                           FMT: tl.constexpr, PAGED: tl.constexpr,
                            BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -33,7 +35,11 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
     w = tl.load(w_ptr + qrow, mask=hmask, other=0.0).to(tl.float32)
     cmask = rc < C
-    ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
+    if PAGED:  # the row reads its request's candidate row (entry_slots[request])
+        crow = tl.load(crow_ptr + t).to(tl.int64)
+    else:
+        crow = t.to(tl.int64)
+    ids = tl.load(cand_ptr + crow * C + rc, mask=cmask, other=-1)
     ok = ids >= 0
     keys = load_pool_rows(k_ptr, ids, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
     dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
@@ -44,6 +50,20 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
 
 def indexer_gather_scores(q, weights, keys, cand, scale):
     """Same contract as ref_indexer_gather_scores -> [T, C] fp32 (-inf where cand < 0)."""
+    return _launch(q, weights, keys, cand, None, scale)
+
+
+def indexer_paged_scores(q, weights, keys, entry_slots, req_rows, row_slot, scale):
+    """Same contract as ref_indexer_paged_scores -> [T, C] fp32: each row reads the candidate
+    row of its request (row_slot // N) of entry_slots [B, C]."""
+    check("req_rows", req_rows, 2, INDEX)
+    check("row_slot", row_slot, 1, INDEX)
+    if row_slot.shape[0] != q.shape[0]:
+        raise InputError(f"row_slot has {row_slot.shape[0]} rows, q has {q.shape[0]}")
+    return _launch(q, weights, keys, entry_slots, (row_slot // req_rows.shape[1]).contiguous(), scale)
+
+
+def _launch(q, weights, keys, cand, crow, scale):
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
     check_scale(scale)
@@ -51,7 +71,7 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
     if tuple(weights.shape) != (t, h):
         raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
     check("cand", cand, 2, INDEX)
-    if cand.shape[0] != t:
+    if crow is None and cand.shape[0] != t:
         raise InputError(f"cand has {cand.shape[0]} rows, q has {t}")
     fmt = pool_format("keys", keys)
     if fmt.head_dim != d:
@@ -63,6 +83,6 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
         return out
     bc = 16
     _indexer_gather_kernel[(t, triton.cdiv(c, bc))](
-        q, weights, cand, out, h, d, c, float(scale), *fmt.kernel_args(),
-        FMT=fmt.fmt, BH=pow2(h), BC=bc, BD=pow2(d))
+        q, weights, cand, cand if crow is None else crow, out, h, d, c, float(scale), *fmt.kernel_args(),
+        FMT=fmt.fmt, PAGED=crow is not None, BH=pow2(h), BC=bc, BD=pow2(d))
     return out

@@ -26,7 +26,8 @@ def test_plan_to_its_own_device_is_the_plan_and_to_another_moves_every_table():
     plan = eng.plan([req], [random_tree(req.root_token, 8, 3, 2, 1)])
     assert plan.to("cpu") is plan and plan.to(torch.device("cpu")) is plan  # nothing to move
     moved = plan.to("meta")
-    tensors = [moved.positions, moved.swa_index] + [t for ct in moved.compress.values() for t in (ct.entries, ct.src)]
+    tensors = [moved.positions, moved.swa_index, moved.groups.req_rows] + [
+        t for ct in moved.compress.values() for t in (ct.entry_slots, ct.branch, ct.src)]
     assert all(t.device.type == "meta" for t in tensors)
     assert plan.positions.device.type == "cpu"  # the original is untouched
 

@@ -5,11 +5,11 @@ replayed, and its outputs are cloned out. Everything the forward writes (pools) 
 through those buffers, so a replay with a new plan writes exactly where an eager run would."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
-from ..serving.buckets import Bucket
+from ..serving.step import StepShapes
 from ..serving.tables import VerifyPlan
 from .forward import RowsRun, run_rows
 
@@ -22,6 +22,8 @@ def _copy_into(static, new) -> None:
         elif isinstance(a, dict):
             for k in a:
                 _copy_into(a[k], b[k])
+        elif is_dataclass(a):
+            _copy_into(a, b)
 
 
 @dataclass
@@ -37,7 +39,7 @@ class GraphCache:
         self.graphs: dict = {}
 
     @torch.inference_mode()  # as run_rows: the static buffers may be inference tensors
-    def run(self, plan: VerifyPlan, bucket: Bucket) -> RowsRun:
+    def run(self, plan: VerifyPlan, bucket: StepShapes) -> RowsRun:
         """plan: padded to `bucket`, on the model's (CUDA) device."""
         cap = self.graphs.get(bucket)
         if cap is None:

@@ -2,8 +2,9 @@
 
   ref_pool_entries      -- branch compressor: pool closing nodes' source rows into entries
                            (the torch backend's op, yardstick of kernels.pool_entries)
-  select_topk_table     -- the indexer's deterministic top-k over a per-row candidate table
-                           (tie rule below), shared by both backends
+  topk_order            -- the indexer's deterministic top-k order (tie rule below), shared by
+                           both backends and both candidate forms
+  select_topk_table     -- topk_order over a per-row candidate table
   ref_sparse_mqa_sink   -- MQA over per-row index lists into key tables (+ shared keys), sink;
                            the MTP drafter's attention
 The serving-layout ops (sparse decode, indexer scores over pools) are in sparse_decode.py.
@@ -42,25 +43,34 @@ def ref_pool_entries(
 TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
 
 
+def topk_order(scores: torch.Tensor, topk: int):
+    """The tie rule: scores [T, C] in block order (-inf = no candidate) -> (order [T, k] column
+    ids best first, valid [T, k], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal
+    or within TIE_MARGIN relative), k = min(topk, C). A stable descending sort keeps block
+    order among equal scores. No host reads."""
+    t, c = scores.shape
+    k = min(topk, c)
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    valid = torch.isfinite(order_scores[:, :k])
+    ties = torch.zeros(t, dtype=torch.int64, device=scores.device)
+    if 0 < k < c:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
+        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).long()
+    return order[:, :k], valid, ties
+
+
 def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
     """The tie rule over a per-row candidate table (block order; -inf = no candidate).
 
     scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
-    lengths [T], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal or within
-    TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+    lengths [T], ties [T]), k = min(topk, C) (see topk_order)."""
     t, c = scores.shape
-    k = min(topk, c)
-    if k == 0:
+    if min(topk, c) == 0:
         return cand[:, :0], cand.new_zeros(t), cand.new_zeros(t)
-    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    valid = torch.isfinite(order_scores[:, :k])
-    selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
-    ties = cand.new_zeros(t)
-    if k < c:
-        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
-    return selected, valid.sum(1), ties
+    order, valid, ties = topk_order(scores, topk)
+    selected = torch.where(valid, torch.gather(cand, 1, order), torch.full_like(cand[:, : order.shape[1]], -1))
+    return selected, valid.sum(1), ties.to(cand.dtype)
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,8 @@
   ref_sparse_decode          -- MQA with a per-head sink over per-row index lists into one or two
                                 pools (main: SWA rows; extra: C4 / C128 entries), K = V
   ref_indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
+  ref_indexer_paged_scores   -- the same for the committed keys of each request, through the
+                                request's entry page table: one pass per request for all its rows
 
 Pools are read only through `pool.read(slots)` (dequantised rows in the pool's compute dtype,
 slot -1 -> zeros), so these references hold for every storage dtype; the math is fp32."""
@@ -66,3 +68,25 @@ def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) 
         s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
         out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
     return out
+
+
+def ref_indexer_paged_scores(q, weights, keys, entry_slots, req_rows, row_slot, scale) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[entry_slots[row_req[t], c]]),
+    -inf where that slot is -1 (DeepGEMM's paged MQA logits, in slot form).
+
+    q [T, HI, dI]; weights [T, HI]; keys: a KVPool of indexer keys; entry_slots [B, C] int
+    (request b's committed key slots in block order, -1 = none); req_rows [B, N] packed rows of
+    each request (-1 = none); row_slot [T] = request * N + the row's node id (a padding row
+    reads slot 0). Returns [T, C] fp32. A request's keys are
+    read once and scored for all its rows in one batched product [B, N * HI, C] (no loop over
+    candidate chunks: the same ops whatever C)."""
+    b, c = entry_slots.shape
+    n, (_, h, d) = req_rows.shape[1], q.shape
+    rows = req_rows.clamp(min=0)
+    qg = f32(q)[rows].view(b, n * h, d)  # [B, N*HI, dI]
+    wg = f32(weights)[rows]  # [B, N, HI]
+    k = f32(keys.read(torch.where(entry_slots < 0, -1, as_dtype(entry_slots, torch.int64))))  # [B, C, dI]
+    s = torch.relu(torch.matmul(qg, k.transpose(1, 2))).view(b, n, h, c)  # [B, N, HI, C]
+    s = torch.matmul(wg.unsqueeze(2), s).squeeze(2) * scale  # [B, N, C]: the head-weighted sum
+    s = s.masked_fill(entry_slots.unsqueeze(1) < 0, float("-inf"))
+    return s.view(b * n, c)[row_slot]
