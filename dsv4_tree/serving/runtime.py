@@ -9,7 +9,7 @@ from .commit import apply_moves, plan_moves
 from .pages import PageTable
 from .pools import Layout, build_pools
 from .state_view import committed_view
-from .step import DevicePages, HostStep, build_step, schedule
+from .step import DevicePages, HostStep, build_step, schedule, upload
 from .tables import VerifyPlan
 
 DEFAULT_TOKEN_CAP = 1 << 18
@@ -47,10 +47,11 @@ class ServingRuntime:
         self.pages.release(row)
 
     @torch.inference_mode()
-    def plan(self, rows, seq_lens, trees, bucketed: bool = False) -> VerifyPlan:
+    def plan(self, rows, seq_lens, trees, bucketed: bool = False, graphed: bool = False) -> VerifyPlan:
         """Map the draft slots (positions P .. P+N-1) of every request (host), pack the step into
         one int32 buffer, copy it to the device once and build the tables there. bucketed: pad
-        to the static shapes of a bucket (serving/buckets.py)."""
+        to the static shapes of a bucket (serving/buckets.py); graphed: only copy (and apply the
+        page updates): the captured graph builds the tables with the forward (model/graphs.py)."""
         r = self.layout.recent_window
         self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - r for p in seq_lens])
         sizes = [t.num_nodes for t in trees]
@@ -59,9 +60,12 @@ class ServingRuntime:
         offsets = [0]
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)
-        tables = self.build(step)
-        return VerifyPlan(**tables, rows=tuple(rows), seq_lens=tuple(seq_lens), offsets=tuple(offsets),
-                          num_nodes=tuple(sizes), trees=tuple(trees), bucket=shapes if bucketed else None)
+        host = dict(rows=tuple(rows), seq_lens=tuple(seq_lens), offsets=tuple(offsets), num_nodes=tuple(sizes),
+                    trees=tuple(trees), bucket=shapes if bucketed else None)
+        if graphed:
+            staged = upload(step, self.device_pages, self.model.device)
+            return VerifyPlan(shapes.rows, None, None, None, None, None, {}, None, staged=staged, **host)
+        return VerifyPlan(**self.build(step), **host)
 
     def build(self, step: HostStep) -> dict:
         """Device half: the one copy, then every table (no host reads; graph-capturable)."""

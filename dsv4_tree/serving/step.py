@@ -68,33 +68,44 @@ def schedule(rows, seq_lens, trees, updates, shapes: StepShapes) -> HostStep:
     return HostStep(torch.cat([x.to(torch.int32) for x in parts]), shapes, len(cells), len(swa_of))
 
 
-def upload(step: HostStep, device_pages: DevicePages, device) -> dict:
-    """The step's one host-to-device copy, then (device only) the page updates and the
-    unpacked inputs of build_tables: req_pool_indices, seq_lens, input_ids, parents, row_req,
-    row_node (int64 except input_ids)."""
+def upload(step: HostStep, device_pages: DevicePages, device) -> torch.Tensor:
+    """The step's one host-to-device copy, then the page updates applied on the device.
+    Returns the device copy of the fixed part (the build's inputs, [3B + 2T])."""
     buf = step.buffer.to(device, non_blocking=True)
     b, t = step.shapes.requests, step.shapes.rows
     u, v = step.num_page_updates, step.num_swa_updates
     o = 3 * b + 2 * t
     device_pages.apply(buf[o : o + u], buf[o + u : o + 2 * u], buf[o + 2 * u : o + 2 * u + v],
                        buf[o + 2 * u + v : o + 2 * u + 2 * v])  # also when empty: the same ops every step
-    sizes = buf[2 * b : 3 * b].long()
+    return buf[:o]
+
+
+def unpack(inputs: torch.Tensor, shapes: StepShapes) -> dict:
+    """The fixed part of the buffer -> build_tables' inputs: req_pool_indices, seq_lens,
+    input_ids, parents, row_req (-1 for padding rows), row_node."""
+    b, t = shapes.requests, shapes.rows
+    sizes = inputs[2 * b : 3 * b].long()
     ends = torch.cumsum(sizes, 0)
-    idx = torch.arange(t, device=buf.device)
+    idx = torch.arange(t, device=inputs.device)
     req = torch.searchsorted(ends, idx, right=True)  # B past the real rows
     valid = req < b
     req = req.clamp(max=b - 1)
     node = idx - (ends - sizes)[req]
-    return dict(req_pool_indices=buf[:b], seq_lens=buf[b : 2 * b], input_ids=buf[3 * b : 3 * b + t],
-                parents=buf[3 * b + t : 3 * b + 2 * t], row_req=torch.where(valid, req, -1),
+    return dict(req_pool_indices=inputs[:b], seq_lens=inputs[b : 2 * b], input_ids=inputs[3 * b : 3 * b + t],
+                parents=inputs[3 * b + t : 3 * b + 2 * t], row_req=torch.where(valid, req, -1),
                 row_node=torch.where(valid, node, 0))
 
 
-def build_step(step: HostStep, device_pages: DevicePages, layout: Layout, device) -> dict:
-    """upload, then every table of the step on the device (the VerifyPlan tensor fields): no
-    host reads, static shapes, so the whole of it can be captured in a CUDA graph."""
-    x = upload(step, device_pages, device)
+def build_from(inputs: torch.Tensor, shapes: StepShapes, device_pages: DevicePages, layout: Layout) -> dict:
+    """Every table of the step from its device inputs (the VerifyPlan tensor fields): no host
+    reads, static shapes, so it can be captured in a CUDA graph together with the forward."""
+    x = unpack(inputs, shapes)
     pages = device_pages.pages
     loc = draft_cache_loc(pages, x["req_pool_indices"], x["seq_lens"], x["row_req"], x["row_node"])
-    return build_tables(pages, out_cache_loc=loc, layout=layout, num_nodes=step.shapes.nodes,
-                        widths=dict(step.shapes.widths), **x)
+    return build_tables(pages, out_cache_loc=loc, layout=layout, num_nodes=shapes.nodes,
+                        widths=dict(shapes.widths), **x)
+
+
+def build_step(step: HostStep, device_pages: DevicePages, layout: Layout, device) -> dict:
+    """upload, then build_from: the whole device half of a step's tables."""
+    return build_from(upload(step, device_pages, device), step.shapes, device_pages, layout)

@@ -84,21 +84,26 @@ class CompressTables:
 
 @dataclass(frozen=True)
 class VerifyPlan:
+    """One step's tables (tensors on the model's device) and host bookkeeping. A graphed step's
+    plan holds only `staged` (its device inputs) until Engine.run_plan builds the tables inside
+    the captured graph (the tensor fields are None until then)."""
+
     num_rows: int  # T (padding rows included)
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_loc: torch.Tensor  # [T] recent slots each row's K=V and compressor rows are written to
-    swa_index: torch.Tensor  # [T, W] recent slots of the row's window, newest first, -1 = none
-    swa_len: torch.Tensor  # [T]
+    input_ids: torch.Tensor | None  # [T]
+    positions: torch.Tensor | None  # [T]
+    out_loc: torch.Tensor | None  # [T] recent slots each row's K=V and compressor rows are written to
+    swa_index: torch.Tensor | None  # [T, W] recent slots of the row's window, newest first, -1 = none
+    swa_len: torch.Tensor | None  # [T]
     compress: dict  # ratio -> CompressTables
-    groups: RowGroups
+    groups: RowGroups | None
     # host bookkeeping, per request (commit and outputs read these; layers never do)
     rows: tuple  # page-table row
     seq_lens: tuple  # P
     offsets: tuple  # first packed row
     num_nodes: tuple  # N
     trees: tuple
-    bucket: object = None  # serving/buckets.py Bucket when padded to static shapes
+    bucket: object = None  # serving/step.py StepShapes when padded to a bucket's static shapes
+    staged: torch.Tensor | None = None  # [3B + 2T] int32 device inputs of a graphed step's build
 
     def to(self, device) -> "VerifyPlan":
         """The plan with every tensor (also inside nested tables) on `device` (the plan itself
