@@ -90,3 +90,32 @@ def test_ops_of_build_and_forward_do_not_grow_with_context_or_batch():
     base = counts[300, 1]
     assert counts[100_000, 1] / base <= 1.02, f"ops grow with the context: {counts}"
     assert counts[300, 8] / base <= 1.02, f"ops grow with the batch: {counts}"
+
+
+class DeviceOps(OpCounter):
+    """Counts only ops on device (meta) tensors that are not views: the host page bookkeeping and
+    metadata-only views are not what a GPU launches."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        if not func.is_view and any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tree_leaves((args, kwargs or {}))):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def test_commit_moves_take_one_copy_and_the_same_ops_whatever_the_batch():
+    eng = meta_engine()
+    counts = {}
+    for bs in (1, 4):
+        reqs = [eng.prefill(prompt(13 + 4 * b, b)) for b in range(bs)]  # the same P mod 4 and mod 16
+        rows, lens = [r.row for r in reqs], [r.seq_len for r in reqs]
+        paths = [torch.tensor([0, 2, 5, 6]) for _ in reqs]  # moves, and a C4 block closed on the path
+        eng.runtime.plan(rows, lens, [dt.DraftTree(torch.arange(8), torch.tensor([-1, 0, 0, 1, 2, 2, 5, 6]))] * bs)
+        with HostToDeviceCounter() as h2d, DeviceOps() as ops:
+            eng.runtime.commit(rows, lens, paths)
+        assert h2d.copies == 1, f"{bs=}: {h2d.copies} host-to-device copies in commit"
+        counts[bs] = ops.total
+        for r in reqs:
+            eng.release(r)
+    assert counts[4] == counts[1], counts

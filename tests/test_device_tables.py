@@ -75,7 +75,7 @@ def one_step(pages, dev_pages, layout, rows, seq_lens, trees, bucketed: bool, la
     pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - RECENT for p in seq_lens])
     sizes = [t.num_nodes for t in trees]
     shapes = step_shapes(sizes, seq_lens, layout, MAX_NODES if bucketed else None)
-    got = build_step(schedule(rows, seq_lens, trees, pages.take_updates(), shapes), dev_pages, layout, "cpu")
+    got = build_step(schedule(rows, seq_lens, trees, sizes, pages.take_updates(), shapes), dev_pages, layout, "cpu")
     ref = ref_build_tables(trees, seq_lens, rows, pages, layout)
     compare(got, ref, label)
     check_padding(got, sum(sizes), layout)

@@ -53,10 +53,10 @@ class ServingRuntime:
         to the static shapes of a bucket (serving/buckets.py); graphed: only copy (and apply the
         page updates): the captured graph builds the tables with the forward (model/graphs.py)."""
         r = self.layout.recent_window
-        self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - r for p in seq_lens])
         sizes = [t.num_nodes for t in trees]
+        self.pages.ensure(rows, [p + n for p, n in zip(seq_lens, sizes)], [p - r for p in seq_lens])
         shapes = step_shapes(sizes, seq_lens, self.layout, self.max_nodes if bucketed else None)
-        step = schedule(rows, seq_lens, trees, self.pages.take_updates(), shapes)
+        step = schedule(rows, seq_lens, trees, sizes, self.pages.take_updates(), shapes)
         offsets = [0]
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)

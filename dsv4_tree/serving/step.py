@@ -53,19 +53,19 @@ class DevicePages:
         self.pages.swa_pages.index_put_((swa_of.long(),), swa_pages)
 
 
-def schedule(rows, seq_lens, trees, updates, shapes: StepShapes) -> HostStep:
-    """Pack one step (host ints and the trees' tensors) into the int32 buffer. updates: the
-    PageTable.take_updates() lists (cells, token pages, token pages, SWA pages)."""
+def schedule(rows, seq_lens, trees, sizes, updates, shapes: StepShapes) -> HostStep:
+    """Pack one step (host ints and the trees' tensors) into the int32 buffer. sizes: the trees'
+    node counts; updates: the PageTable.take_updates() lists (cells, token pages, token pages,
+    SWA pages). One concatenation and one cast, whatever the batch."""
     b, t = shapes.requests, shapes.rows
-    pad_b, pad_t = b - len(rows), t - sum(tr.num_nodes for tr in trees)
-    sizes = [tr.num_nodes for tr in trees]
-    head = list(rows) + [0] * pad_b + list(seq_lens) + [0] * pad_b + sizes + [0] * pad_b
+    pad_b, pad_t = b - len(rows), t - sum(sizes)
+    head = list(rows) + [0] * pad_b + list(seq_lens) + [0] * pad_b + list(sizes) + [0] * pad_b
     cells, tok, swa_of, swa = updates
-    parts = [torch.tensor(head, dtype=torch.int32)]
+    parts = [torch.tensor(head, dtype=torch.int64)]
     parts += [tr.tokens for tr in trees] + [torch.zeros(pad_t, dtype=torch.int64)]
     parts += [tr.parents for tr in trees] + [torch.full((pad_t,), -1, dtype=torch.int64)]
-    parts.append(torch.tensor(cells + tok + swa_of + swa, dtype=torch.int32))
-    return HostStep(torch.cat([x.to(torch.int32) for x in parts]), shapes, len(cells), len(swa_of))
+    parts.append(torch.tensor(cells + tok + swa_of + swa, dtype=torch.int64))
+    return HostStep(torch.cat(parts).to(torch.int32), shapes, len(cells), len(swa_of))
 
 
 def upload(step: HostStep, device_pages: DevicePages, device) -> torch.Tensor:
