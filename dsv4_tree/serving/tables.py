@@ -161,6 +161,23 @@ def _source_slots(r: _Rows, pages: TokenPages, q: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= 0, out, -1)
 
 
+def committed_entry_slots(pages: TokenPages, layout: Layout, req_pool_indices: torch.Tensor, m: int,
+                          width: int) -> torch.Tensor:
+    """[B, width] entry slot of committed entry j of each request (Layout.entry_slot of its
+    block's first token slot), straight from the page table: a page holds entries_per_page
+    consecutive entries (page * epp + j % epp), or (m > page_size) entry j starts page j * m /
+    page_size. A few ops over B x width elements; entries past a request's count are garbage."""
+    ps, epp, table = pages.page_size, layout.entries_per_page(m), pages.page_table
+    last = table.shape[1] - 1
+    dev = req_pool_indices.device
+    if m <= ps:
+        npg = -(-width // epp)
+        pg = table[req_pool_indices.unsqueeze(1), torch.arange(npg, device=dev).clamp(max=last)].long()
+        return (pg.unsqueeze(2) * epp + torch.arange(epp, device=dev)).flatten(1)[:, :width]
+    cols = (torch.arange(width, device=dev) * (m // ps)).clamp(max=last)
+    return table[req_pool_indices.unsqueeze(1), cols].long() * epp
+
+
 def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq_lens, m: int, overlap: bool,
               width: int) -> CompressTables:
     dev = r.pos.device
@@ -173,9 +190,8 @@ def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq
     entry_out = torch.where(closes, scratch, layout.trash_entry_slot(m))
     # committed entries, per request: entry j pools the block starting at position j * m
     n_e = seq_lens // m  # [B]
-    j = torch.arange(width, device=dev)
-    entry_slots = layout.entry_slot(m, pages.token_slots(req_pool_indices.unsqueeze(1), j * m))
-    entry_slots = torch.where(j < n_e.unsqueeze(1), entry_slots, -1)
+    entry_slots = committed_entry_slots(pages, layout, req_pool_indices, m, width)
+    entry_slots = torch.where(torch.arange(width, device=dev) < n_e.unsqueeze(1), entry_slots, -1)
     # branch entries, per row: closed on its path at positions first_close, first_close + m, ...
     first_close = r.seq_len + (m - 1 - r.seq_len) % m
     n_vis = torch.where(r.valid & (r.pos >= first_close), (r.pos - first_close) // m + 1, 0)
