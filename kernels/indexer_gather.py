@@ -22,7 +22,7 @@ from ._pool_rows import load_pool_rows, pool_format
 
 
 @triton.jit
-def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, crow_ptr, out_ptr, H, D, C, scale,
+def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, crow_ptr, len_ptr, out_ptr, H, D, C, CP, EPP, scale,
                            k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
                            FMT: tl.constexpr, PAGED: tl.constexpr,
                            BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
@@ -35,11 +35,13 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, crow_ptr, out_ptr, H, D, C, s
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
     w = tl.load(w_ptr + qrow, mask=hmask, other=0.0).to(tl.float32)
     cmask = rc < C
-    if PAGED:  # the row reads its request's candidate row (entry_slots[request])
+    if PAGED:  # candidate c of the row's request: entry_pages[request, c // EPP] * EPP + c % EPP
         crow = tl.load(crow_ptr + t).to(tl.int64)
+        n = tl.load(len_ptr + crow)
+        page = tl.load(cand_ptr + crow * CP + rc // EPP, mask=cmask & (rc < n), other=-1).to(tl.int64)
+        ids = tl.where(page >= 0, page * EPP + rc % EPP, -1)
     else:
-        crow = t.to(tl.int64)
-    ids = tl.load(cand_ptr + crow * C + rc, mask=cmask, other=-1)
+        ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
     ok = ids >= 0
     keys = load_pool_rows(k_ptr, ids, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
     dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
@@ -53,17 +55,21 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
     return _launch(q, weights, keys, cand, None, scale)
 
 
-def indexer_paged_scores(q, weights, keys, entry_slots, req_rows, row_slot, scale):
-    """Same contract as ref_indexer_paged_scores -> [T, C] fp32: each row reads the candidate
-    row of its request (row_slot // N) of entry_slots [B, C]."""
+def indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, req_rows, row_slot, scale):
+    """Same contract as ref_indexer_paged_scores -> [T, Cp * epp] fp32: each row reads the entry
+    pages of its request (row_slot // N) and computes its slots in the kernel."""
     check("req_rows", req_rows, 2, INDEX)
     check("row_slot", row_slot, 1, INDEX)
+    check("entry_len", entry_len, 1, INDEX)
     if row_slot.shape[0] != q.shape[0]:
         raise InputError(f"row_slot has {row_slot.shape[0]} rows, q has {q.shape[0]}")
-    return _launch(q, weights, keys, entry_slots, (row_slot // req_rows.shape[1]).contiguous(), scale)
+    if entry_len.shape[0] != entry_pages.shape[0]:
+        raise InputError(f"entry_len has {entry_len.shape[0]} requests, entry_pages {entry_pages.shape[0]}")
+    crow = (row_slot // req_rows.shape[1]).contiguous()
+    return _launch(q, weights, keys, entry_pages, crow, scale, entry_len.contiguous(), int(entries_per_page))
 
 
-def _launch(q, weights, keys, cand, crow, scale):
+def _launch(q, weights, keys, cand, crow, scale, lengths=None, epp: int = 1):
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
     check_scale(scale)
@@ -77,12 +83,14 @@ def _launch(q, weights, keys, cand, crow, scale):
     if fmt.head_dim != d:
         raise InputError(f"keys has head_dim {fmt.head_dim}, q has head_dim {d}")
     check_device(q, weights, cand, fmt.storage)
-    c = cand.shape[1]
+    cp = cand.shape[1]
+    c = cp * epp if crow is not None else cp
     out = torch.empty(t, c, dtype=torch.float32, device=q.device)
     if t == 0 or c == 0:
         return out
     bc = 16
     _indexer_gather_kernel[(t, triton.cdiv(c, bc))](
-        q, weights, cand, cand if crow is None else crow, out, h, d, c, float(scale), *fmt.kernel_args(),
+        q, weights, cand, cand if crow is None else crow, cand if lengths is None else lengths, out, h, d, c, cp,
+        epp, float(scale), *fmt.kernel_args(),
         FMT=fmt.fmt, PAGED=crow is not None, BH=pow2(h), BC=bc, BD=pow2(d))
     return out

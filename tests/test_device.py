@@ -93,7 +93,7 @@ def test_plan_moves_every_index_tensor_to_the_device():
     tensors = [plan.input_ids, plan.positions, plan.out_loc, plan.swa_index, plan.swa_len, plan.groups.row_req,
                plan.groups.row_slot, plan.groups.req_rows]
     for ct in plan.compress.values():
-        tensors += [ct.closes, ct.entry_out, ct.block_start, ct.src, ct.entry_slots, ct.entry_len, ct.branch,
+        tensors += [ct.closes, ct.entry_out, ct.block_start, ct.src, ct.entry_pages, ct.entry_len, ct.branch,
                     ct.branch_len] + [x for x in (ct.row_entries, ct.row_len) if x is not None]
     assert len(plan.compress) == 2 and all(t.device.type == "meta" for t in tensors)
     assert plan.trees[0] is trees[0] and plan.trees[0].tokens.device.type == "cpu"  # host bookkeeping stays

@@ -53,7 +53,7 @@ def test_one_host_to_device_copy_per_step_and_none_in_the_forward():
             with HostToDeviceCounter() as h2d:
                 eng.run_plan(plan, reqs)
             assert h2d.copies == 0, f"{bucketed=}: the forward copied {h2d.copies} host tensors"
-            assert plan.positions.device.type == "meta" and plan.compress[4].entry_slots.device.type == "meta"
+            assert plan.positions.device.type == "meta" and plan.compress[4].entry_pages.device.type == "meta"
 
 
 def test_device_build_and_forward_never_synchronise_the_host():

@@ -10,6 +10,7 @@ from dsv4_tree.serving.buckets import step_shapes
 from dsv4_tree.serving.pages import PageTable
 from dsv4_tree.serving.pools import Layout
 from dsv4_tree.serving.step import DevicePages, build_step, schedule
+from dsv4_tree.serving.tables import entry_slot_of
 
 MAX_POS, MAX_REQ, MAX_NODES, WINDOW = 1024, 5, 64, 8
 RATIOS = {4: True, 128: False}
@@ -52,8 +53,10 @@ def compare(got: dict, ref, label: str) -> None:
         for row in range(t):
             b = int(g.row_req[row])
             n_e, n_b = int(ct.entry_len[b]), int(ct.branch_len[row])
-            lst = torch.cat([ct.entry_slots[b, :n_e], ct.branch[row, :n_b]])
-            assert (ct.entry_slots[b, n_e:] == -1).all() and (ct.branch[row, n_b:] == -1).all(), f"{label}: C{m} pad"
+            committed = entry_slot_of(ct, torch.tensor(b), torch.arange(n_e))
+            lst = torch.cat([committed, ct.branch[row, :n_b]])
+            assert (ct.branch[row, n_b:] == -1).all(), f"{label}: C{m} pad"
+            assert ct.entry_pages.shape[1] * ct.entries_per_page >= n_e, f"{label}: C{m} page form too narrow"
             want = rc.entries[row]
             assert int(rc.entry_len[row]) == n_e + n_b, f"{label}: C{m} row {row} length"
             assert torch.equal(lst, want[: n_e + n_b]) and (want[n_e + n_b:] == -1).all(), f"{label}: C{m} row {row}"

@@ -27,7 +27,7 @@ def test_plan_to_its_own_device_is_the_plan_and_to_another_moves_every_table():
     assert plan.to("cpu") is plan and plan.to(torch.device("cpu")) is plan  # nothing to move
     moved = plan.to("meta")
     tensors = [moved.positions, moved.swa_index, moved.groups.req_rows] + [
-        t for ct in moved.compress.values() for t in (ct.entry_slots, ct.branch, ct.src)]
+        t for ct in moved.compress.values() for t in (ct.entry_pages, ct.branch, ct.src)]
     assert all(t.device.type == "meta" for t in tensors)
     assert plan.positions.device.type == "cpu"  # the original is untouched
 

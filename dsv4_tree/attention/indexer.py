@@ -10,18 +10,19 @@ from __future__ import annotations
 import torch
 
 from ..reference.ops import topk_order
-from ..serving.tables import CompressTables, RowGroups
+from ..serving.tables import CompressTables, RowGroups, entry_slot_of
 
 
 def indexer_select(ops, q, weights, keys, ct: CompressTables, groups: RowGroups, scale: float, topk: int):
     """q [T, HI, dI], weights [T, HI], keys: the indexer-key pool -> (selected entry slots [T, k]
     (-1 = none), lengths [T], ties [T]), k = min(topk, C + Kb)."""
-    committed = ops.indexer_paged_scores(q, weights, keys, ct.entry_slots, groups.req_rows, groups.row_slot, scale)
+    committed = ops.indexer_paged_scores(q, weights, keys, ct.entry_pages, ct.entries_per_page, ct.entry_len,
+                                         groups.req_rows, groups.row_slot, scale)  # [T, C]
     own = ops.indexer_scores(q, weights, keys, ct.branch, scale)  # [T, Kb]
-    c, kb = ct.entry_slots.shape[1], ct.branch.shape[1]
+    c, kb = committed.shape[1], ct.branch.shape[1]
     order, valid, ties = topk_order(torch.cat([committed, own], 1), topk)
     req = groups.row_req.clamp(min=0).unsqueeze(1)
-    picked = torch.where(order < c, ct.entry_slots[req, order.clamp(max=c - 1)],
+    picked = torch.where(order < c, entry_slot_of(ct, req, order.clamp(max=c - 1)),
                          ct.branch.gather(1, (order - c).clamp(min=0, max=kb - 1)))
     real = groups.row_req >= 0
     valid = valid & real.unsqueeze(1)

@@ -70,23 +70,33 @@ def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) 
     return out
 
 
-def ref_indexer_paged_scores(q, weights, keys, entry_slots, req_rows, row_slot, scale) -> torch.Tensor:
-    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[entry_slots[row_req[t], c]]),
-    -inf where that slot is -1 (DeepGEMM's paged MQA logits, in slot form).
+def paged_slots(entry_pages, entries_per_page: int, entry_len) -> torch.Tensor:
+    """Page form -> slots [B, C] (C = pages x entries_per_page), -1 at and past entry_len[b]."""
+    epp = entries_per_page
+    slots = (as_dtype(entry_pages, torch.int64).unsqueeze(2) * epp + torch.arange(epp, device=entry_pages.device)).flatten(1)
+    cols = torch.arange(slots.shape[1], device=slots.device)
+    return torch.where(cols < entry_len.unsqueeze(1), slots, -1)
 
-    q [T, HI, dI]; weights [T, HI]; keys: a KVPool of indexer keys; entry_slots [B, C] int
-    (request b's committed key slots in block order, -1 = none); req_rows [B, N] packed rows of
-    each request (-1 = none); row_slot [T] = request * N + the row's node id (a padding row
-    reads slot 0). Returns [T, C] fp32. A request's keys are
-    read once and scored for all its rows in one batched product [B, N * HI, C] (no loop over
-    candidate chunks: the same ops whatever C)."""
-    b, c = entry_slots.shape
+
+def ref_indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, req_rows, row_slot,
+                             scale) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[slot of entry c of the row's
+    request]), -inf for c >= that request's entry_len (DeepGEMM's paged MQA logits).
+
+    q [T, HI, dI]; weights [T, HI]; keys: a KVPool of indexer keys; entry_pages [B, Cp] int: entry
+    c of request b sits at slot entry_pages[b, c // epp] * epp + c % epp (epp = entries_per_page);
+    entry_len [B]; req_rows [B, N] packed rows of each request (-1 = none); row_slot [T] =
+    request * N + the row's node id (a padding row reads slot 0). Returns [T, Cp * epp] fp32. A
+    request's keys are read once and scored for all its rows in one batched product
+    [B, N * HI, C] (no loop over candidate chunks: the same ops whatever C)."""
+    slots = paged_slots(entry_pages, entries_per_page, entry_len)  # [B, C]
+    b, c = slots.shape
     n, (_, h, d) = req_rows.shape[1], q.shape
     rows = req_rows.clamp(min=0)
     qg = f32(q)[rows].view(b, n * h, d)  # [B, N*HI, dI]
     wg = f32(weights)[rows]  # [B, N, HI]
-    k = f32(keys.read(torch.where(entry_slots < 0, -1, as_dtype(entry_slots, torch.int64))))  # [B, C, dI]
+    k = f32(keys.read(slots))  # [B, C, dI]
     s = torch.relu(torch.matmul(qg, k.transpose(1, 2))).view(b, n, h, c)  # [B, N, HI, C]
     s = torch.matmul(wg.unsqueeze(2), s).squeeze(2) * scale  # [B, N, C]: the head-weighted sum
-    s = s.masked_fill(entry_slots.unsqueeze(1) < 0, float("-inf"))
+    s = s.masked_fill(slots.unsqueeze(1) < 0, float("-inf"))
     return s.view(b * n, c)[row_slot]

@@ -10,7 +10,7 @@ so the number of ops is the same whatever the context or the batch, and the buil
 captured in one CUDA graph with the forward.
 
 What is never built: a row's list of committed entries. Committed C4 / C128 entries are a
-per-request page-table form (`entry_slots` [B, C] + `entry_len` [B]); the indexer scores them
+per-request page-table form (`entry_pages` [B, C / epp] + `entry_len` [B]); the indexer scores them
 once per request (attention/indexer.py) and each row adds its own branch entries [T, Kb].
 Only ratios without an indexer (C128) also get SGLang's per-row `c128_page_indices` form.
 The host builder this must equal bit for bit is reference/tables.py."""
@@ -74,7 +74,9 @@ class CompressTables:
     block_start: torch.Tensor  # [T] first position of the closed block (its RoPE position; 0 otherwise)
     src: torch.Tensor  # [T, R] recent slots of the block's source rows (R = 2m with overlap: block
     #                    w-1 then block w; else m), -1 = before position 0 (null row); trash otherwise
-    entry_slots: torch.Tensor  # [B, C] committed entry slots of each request in block order, -1 past entry_len
+    entry_pages: torch.Tensor  # [B, C / epp] entry page of each request's committed entries: entry j
+    #                            sits at entry_pages[b, j // epp] * epp + j % epp (entry_slot_of)
+    entries_per_page: int  # epp: page_size // m, or 1 when a block spans pages (one entry per page run)
     entry_len: torch.Tensor  # [B] committed entries P // m
     branch: torch.Tensor  # [T, Kb] branch entry slots along path(row) in block order, -1 padding
     branch_len: torch.Tensor  # [T]
@@ -161,21 +163,24 @@ def _source_slots(r: _Rows, pages: TokenPages, q: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= 0, out, -1)
 
 
-def committed_entry_slots(pages: TokenPages, layout: Layout, req_pool_indices: torch.Tensor, m: int,
-                          width: int) -> torch.Tensor:
-    """[B, width] entry slot of committed entry j of each request (Layout.entry_slot of its
-    block's first token slot), straight from the page table: a page holds entries_per_page
-    consecutive entries (page * epp + j % epp), or (m > page_size) entry j starts page j * m /
-    page_size. A few ops over B x width elements; entries past a request's count are garbage."""
-    ps, epp, table = pages.page_size, layout.entries_per_page(m), pages.page_table
-    last = table.shape[1] - 1
-    dev = req_pool_indices.device
-    if m <= ps:
-        npg = -(-width // epp)
-        pg = table[req_pool_indices.unsqueeze(1), torch.arange(npg, device=dev).clamp(max=last)].long()
-        return (pg.unsqueeze(2) * epp + torch.arange(epp, device=dev)).flatten(1)[:, :width]
-    cols = (torch.arange(width, device=dev) * (m // ps)).clamp(max=last)
-    return table[req_pool_indices.unsqueeze(1), cols].long() * epp
+def committed_entry_pages(pages: TokenPages, layout: Layout, req_pool_indices: torch.Tensor, m: int,
+                          width: int) -> tuple:
+    """-> (entry_pages [B, ceil(width / epp)], epp): committed entry j of request b has the entry
+    slot entry_pages[b, j // epp] * epp + j % epp (Layout.entry_slot of its block's first token
+    slot). A page holds epp = page_size / m consecutive entries; when m > page_size each entry
+    starts its own run of m / page_size pages (epp = 1). O(B x pages): no per-entry work."""
+    ps, table = pages.page_size, pages.page_table
+    last, dev = table.shape[1] - 1, req_pool_indices.device
+    epp = layout.entries_per_page(m)
+    stride = 1 if m <= ps else m // ps
+    cols = (torch.arange(-(-width // epp), device=dev) * stride).clamp(max=last)
+    return table[req_pool_indices.unsqueeze(1), cols], epp
+
+
+def entry_slot_of(ct: "CompressTables", req: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Entry slot of committed entry j of request req (broadcast; j < the page form's width)."""
+    epp = ct.entries_per_page
+    return ct.entry_pages[req, j // epp].long() * epp + j % epp
 
 
 def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq_lens, m: int, overlap: bool,
@@ -190,8 +195,7 @@ def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq
     entry_out = torch.where(closes, scratch, layout.trash_entry_slot(m))
     # committed entries, per request: entry j pools the block starting at position j * m
     n_e = seq_lens // m  # [B]
-    entry_slots = committed_entry_slots(pages, layout, req_pool_indices, m, width)
-    entry_slots = torch.where(torch.arange(width, device=dev) < n_e.unsqueeze(1), entry_slots, -1)
+    entry_pages, epp = committed_entry_pages(pages, layout, req_pool_indices, m, width)
     # branch entries, per row: closed on its path at positions first_close, first_close + m, ...
     first_close = r.seq_len + (m - 1 - r.seq_len) % m
     n_vis = torch.where(r.valid & (r.pos >= first_close), (r.pos - first_close) // m + 1, 0)
@@ -204,12 +208,13 @@ def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq
     if not overlap:  # no indexer reads this ratio: every row lists all it sees (c128_page_indices)
         ne = torch.where(r.valid, n_e[r.req], 0).unsqueeze(1)
         jj = torch.arange(width + kb, device=dev)
-        committed = entry_slots[r.req.unsqueeze(1), jj.clamp(max=width - 1)]
+        jc = jj.clamp(max=width - 1)
+        committed = entry_pages[r.req.unsqueeze(1), jc // epp].long() * epp + jc % epp
         vb = jj - ne
         own = branch.gather(1, vb.clamp(min=0, max=kb - 1))
         row_entries = torch.where(jj < ne, committed, torch.where(vb < n_vis.unsqueeze(1), own, -1))
         row_len = ne.squeeze(1) + n_vis
-    return CompressTables(m, closes, entry_out, torch.where(closes, block * m, 0), src, entry_slots, n_e,
+    return CompressTables(m, closes, entry_out, torch.where(closes, block * m, 0), src, entry_pages, epp, n_e,
                           branch, n_vis, row_entries, row_len)
 
 
