@@ -1,6 +1,8 @@
 """Long-context verify: tree vs chain (same rows) vs per-path (each root-to-leaf path as its own
 chain), on a model with DeepSeek-V4-Flash attention shapes and synthetic committed caches.
 
+Each case also prints its physical floor on an H200 (benchmarks/roofline.py: bf16 weights once,
+the KV a step must read, FLOPs; over 4.3 TB/s and ~790 TFLOP/s) and the measured tree time over it.
 Human table first, a PNG plot, and as the last line one JSON object (headline: N=8 topk-4 tree
 at 64K context, or the largest context run)."""
 from __future__ import annotations
@@ -21,6 +23,9 @@ import dsv4_tree as dt
 from dsv4_tree.serving.synth import committed_bytes, synthetic_request
 from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.tree.simulate import eagle_tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import step_floor  # noqa: E402
 
 FLASH_ATTENTION = dict(
     vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
@@ -164,7 +169,8 @@ def main(argv=None):
           f"{args.layers} layers ({what}); model built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     records = []
     header = (f"{'ctx':>7} {'N':>3} {'shape':>5} {'leaves':>6} {'R':>5} {'tree_ms':>9} {'chain_ms':>9} "
-              f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8}")
+              f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8} "
+              f"{'floor_ms':>9} {'tree/floor':>10}")
     lines = []
     for ctx in contexts:
         req = synthetic_request(engine, ctx, seed=ctx)
@@ -173,23 +179,28 @@ def main(argv=None):
             for shape in (("tree", "chain") if n > 1 and not args.quick else ("tree",)):
                 tree = eagle_tree(5, n) if shape == "tree" else dt.DraftTree.chain([5] + list(range(2, n + 1)))
                 med, mem, leaves, r = run_case(engine, req, tree, args.device, reps)
+                floor = step_floor(engine, [ctx], [tree.num_nodes])
                 rec = {"context": ctx, "N": n, "shape": "topk4" if shape == "tree" else "chain", "leaves": leaves,
                        "path_rows_over_n": r, "tree_s": med["tree"], "chain_s": med["chain"],
                        "per_path_s": med["per_path"], "tree_over_chain": med["tree"] / med["chain"],
                        "per_path_over_tree": med["per_path"] / med["tree"], "tree_peak_bytes": mem["tree"],
                        "chain_peak_bytes": mem["chain"], "cache_bytes": base,
-                       "extra_mem_frac": (mem["tree"] - mem["chain"]) / (base + mem["chain"])}
+                       "extra_mem_frac": (mem["tree"] - mem["chain"]) / (base + mem["chain"]),
+                       "floor_s": floor.seconds, "floor_weights_s": floor.weights_s, "floor_kv_s": floor.kv_s,
+                       "floor_flops_s": floor.flops_s, "tree_over_floor": med["tree"] / floor.seconds}
                 records.append(rec)
                 line = (f"{ctx:>7} {n:>3} {rec['shape']:>5} {leaves:>6} {r:>5.2f} {1e3 * med['tree']:>9.1f} "
                         f"{1e3 * med['chain']:>9.1f} {1e3 * med['per_path']:>9.1f} {rec['tree_over_chain']:>10.3f} "
-                        f"{rec['per_path_over_tree']:>9.2f} {mem['tree'] / 2**20:>8.1f} {mem['chain'] / 2**20:>8.1f}")
+                        f"{rec['per_path_over_tree']:>9.2f} {mem['tree'] / 2**20:>8.1f} {mem['chain'] / 2**20:>8.1f} "
+                        f"{1e3 * floor.seconds:>9.3f} {rec['tree_over_floor']:>10.0f}")
                 lines.append(line)
                 print(line if len(lines) > 1 else header + "\n" + line, file=sys.stderr, flush=True)
         engine.release(req)
         del req
         gc.collect()
     print(f"machine: {machine}; {dtype}; medians of {reps} interleaved repetitions; "
-          "R = rows over all root-to-leaf paths / N; MB = peak memory above the committed state during one call")
+          "R = rows over all root-to-leaf paths / N; MB = peak memory above the committed state during one call; "
+          "floor = H200 roofline of the tree step (benchmarks/roofline.py)")
     print(header)
     print("\n".join(lines))
     if args.plot:
@@ -197,7 +208,7 @@ def main(argv=None):
     trees = [r for r in records if r["shape"] == "topk4" and r["N"] == 8] or [r for r in records if r["shape"] == "topk4"]
     head = min(trees, key=lambda r: abs(r["context"] - 65536))
     summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
-                                    "extra_mem_frac", "context", "N")}
+                                    "extra_mem_frac", "context", "N", "floor_s", "tree_over_floor")}
     summary.update(machine=machine, dtype=str(dtype), kv_cache_dtype=args.kv_cache_dtype, backend=args.backend, records=records)
     print(json.dumps(summary))
 

@@ -34,8 +34,10 @@ class SpecConfig:
     max_total_tokens:  committed + draft positions over all live requests the pools hold
                        (None: min(max_requests * max_position_embeddings, 2**18)).
     cuda_graph_max_bs: verify batches of at most this many requests are padded to static-shape
-                       buckets (requests to a power of two, nodes to num_draft_tokens) and, on
-                       CUDA, replayed from a captured graph per bucket; 0 = off.
+                       buckets (requests to a power of two, nodes to num_draft_tokens, context
+                       to a power of two in pages) and, on CUDA, the table build and forward
+                       replayed from one captured graph per bucket; 0 = eager, unpadded;
+                       None (default) = max_requests on CUDA, 0 elsewhere.
     """
 
     eagle_topk: int = 1
@@ -49,13 +51,14 @@ class SpecConfig:
     page_size: int = 256
     max_requests: int = 16
     max_total_tokens: int | None = None
-    cuda_graph_max_bs: int = 0
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("eagle_topk", "num_steps", "prefill_chunk", "page_size", "max_requests",
                      "cuda_graph_max_bs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if (not isinstance(value, int) or isinstance(value, bool)) and not (name == "cuda_graph_max_bs"
+                                                                                and value is None):
                 raise ConfigError(f"SpecConfig.{name} must be an int, got {value!r}")
         if self.num_draft_tokens is None and self.eagle_topk == 1:
             object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)

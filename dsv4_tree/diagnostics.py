@@ -1,4 +1,5 @@
-"""Measuring tools for the verify forward: count dispatched aten ops, forbid host syncs.
+"""Measuring tools for the verify forward: count dispatched aten ops, count host-to-device
+copies, forbid host syncs.
 
 Both are `TorchDispatchMode`s, so they see every aten op that reaches a backend kernel (after
 autograd and after composite ops decompose), which is what a GPU would launch one kernel for.
@@ -6,6 +7,9 @@ autograd and after composite ops decompose), which is what a GPU would launch on
     with OpCounter() as ops:
         engine.verify(requests, trees)
     ops.total, ops.by_name.most_common(5)
+
+    with HostToDeviceCounter() as h2d:
+        engine.plan(requests, trees)      # h2d.copies == 1: one packed buffer per step
 
     with forbid_host_sync():
         engine.run_plan(plan, requests)   # raises StateError at the first host-reading op
@@ -35,6 +39,44 @@ class OpCounter(TorchDispatchMode):
         self.total += 1
         self.by_name[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+class HostToDeviceCounter(TorchDispatchMode):
+    """Counts copies from host (CPU) memory to another device inside the `with` block
+    (`aten._to_copy` / `aten.copy_` with a CPU source and a non-CPU destination); on the meta
+    device they count as they would on a GPU. copies: the count; bytes: their payload."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        moved = _host_to_device(str(func.overloadpacket), args, kwargs)
+        if moved is not None:
+            self.copies += 1
+            self.bytes += moved.numel() * moved.element_size()
+        return func(*args, **kwargs)
+
+
+def _host_to_device(name, args, kwargs):
+    """The host tensor an op copies to another device, or None. `aten.to` reaches dispatch
+    in inference mode, `aten._to_copy` / `aten.copy_` outside it."""
+    if name in ("aten._to_copy", "aten.to") and isinstance(args[0], torch.Tensor):
+        src, dst = args[0], kwargs.get("device")
+        for a in args[1:]:
+            if isinstance(a, (torch.device, str)):
+                dst = a
+            elif isinstance(a, torch.Tensor):
+                dst = a.device
+    elif name == "aten.copy_":
+        src, dst = args[1], _device_of(args[0])
+    else:
+        return None
+    if src.device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
+        return src
+    return None
 
 
 # ops whose result the host must wait for: a scalar read, or an output shape that depends on
@@ -69,7 +111,7 @@ def _sync_reason(func, args, kwargs) -> str | None:
     if name == "aten.repeat_interleave" and isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
         if len(args) == 1 or isinstance(args[1], torch.Tensor):
             return "repeat_interleave with tensor repeats and no output_size: output shape depends on values"
-    if name == "aten._to_copy":
+    if name in ("aten._to_copy", "aten.to"):  # aten.to reaches dispatch in inference mode
         src, dst = _device_of(args[0]), kwargs.get("device")
         if src is not None and dst is not None and src.type != "cpu" and torch.device(dst).type == "cpu":
             return f"copies a {src.type} tensor to the host"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import replace
+
 import torch
 
 from .attention.backend import get_backend
@@ -14,7 +16,6 @@ from .executor.forward import RowsRun, run_rows
 from .executor.graphs import GraphCache
 from .ranks import agree_acceptances, check_same
 from .request import Request, VerifyOutput, check_live
-from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
@@ -232,11 +233,15 @@ class Engine:
         return req
 
     def plan(self, requests, trees) -> VerifyPlan:
-        """Host half of verify: validate, map draft slots, build the batch's tables."""
+        """Host schedule of verify (validate, map draft slots, one packed host-to-device copy),
+        then the batch's tables built on the device (serving/tables.py)."""
         self._check_batch(requests, trees)
         check_same(self.model, [[r.seq_len for r in requests]] + [t.tokens for t in trees]
                    + [t.parents for t in trees], "verified requests or trees")  # sharded model: ranks agree
-        return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
+        limit = self.spec.cuda_graph_max_bs
+        bucketed = len(trees) <= (limit if limit is not None else self.spec.max_requests if self._graphed() else 0)
+        return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees,
+                                 bucketed=bucketed, graphed=bucketed and self._graphed())
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
         """Device half of verify: one forward over all rows (no host synchronisation inside)."""
@@ -247,26 +252,26 @@ class Engine:
         # earlier verify output of theirs may commit (a failure half-way leaves them refused)
         for r in requests:
             r.scratch_owner = 0
-        run = self._forward(plan)
+        run, plan = self._forward(plan)
         vid = next(self._verify_ids)
         for r in requests:
             r.scratch_owner = vid
         logits = [run.logits[o : o + n] for o, n in zip(plan.offsets, plan.num_nodes)]
         return VerifyOutput(logits, plan, run, tuple(r.request_id for r in requests), plan.seq_lens, vid)
 
-    def _forward(self, plan: VerifyPlan) -> RowsRun:
-        """The verify forward; padded to a static-shape bucket (and on CUDA replayed from a
-        captured graph) when SpecConfig.cuda_graph_max_bs covers the batch."""
-        dev, rt = self.model.device, self.runtime
-        if not 0 < len(plan.num_nodes) <= self.spec.cuda_graph_max_bs:
-            return run_rows(self.model, plan.to(dev), rt.pools, self.ops)
-        bucket = bucket_for(plan, self.limits.max_nodes)
-        padded = pad_plan(plan, bucket, rt.layout).to(dev)
-        if dev.type != "cuda":
-            return run_rows(self.model, padded, rt.pools, self.ops)
+    def _graphed(self) -> bool:
+        """Bucketed steps replay one captured graph (table build + forward) per bucket: on CUDA."""
+        return self.model.device.type == "cuda"
+
+    def _forward(self, plan: VerifyPlan) -> tuple:
+        """The verify forward -> (RowsRun, the plan with its tables); a graphed plan (bucketed,
+        on CUDA) replays its bucket's captured build + forward."""
+        if plan.staged is None:
+            return run_rows(self.model, plan.to(self.model.device), self.runtime.pools, self.ops), plan
         if self._graphs is None:
-            self._graphs = GraphCache(self.model, rt.pools, self.ops)
-        return self._graphs.run(padded, bucket)
+            self._graphs = GraphCache(self.model, self.runtime, self.ops)
+        run, tables = self._graphs.run(plan.staged, plan.bucket)
+        return run, replace(plan, **tables, staged=None)
 
     def verify(self, requests, trees) -> VerifyOutput:
         """Logits of every node of every tree; committed state is never changed."""

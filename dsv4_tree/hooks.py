@@ -75,7 +75,7 @@ def validate_spec(model_config, spec: SpecConfig) -> ServingPlan:
         raise ConfigError(f"page_size must be a power of two, got {spec.page_size}")
     if spec.max_requests < 1:
         raise ConfigError(f"max_requests must be >= 1, got {spec.max_requests}")
-    if not 0 <= spec.cuda_graph_max_bs <= spec.max_requests:
+    if spec.cuda_graph_max_bs is not None and not 0 <= spec.cuda_graph_max_bs <= spec.max_requests:
         raise ConfigError(f"cuda_graph_max_bs must lie in [0, max_requests={spec.max_requests}], got {spec.cuda_graph_max_bs}")
     if spec.max_total_tokens is not None and spec.max_total_tokens < 1:
         raise ConfigError(f"max_total_tokens must be >= 1, got {spec.max_total_tokens}")

@@ -6,7 +6,9 @@ One program per (row, tile of BC candidates): the row's query heads [HI, dI] sta
 the candidates' keys are gathered from pool storage (FP8 KV or indexer-key records dequantised in
 the kernel), and the head-weighted ReLU sum is reduced in place. Dots take fp32 inputs with
 `input_precision="ieee"` (never TF32); bf16 queries are widened (see sparse_decode.py).
-Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores."""
+`indexer_paged_scores` runs the same kernel with each row reading its request's candidate row
+(the committed keys through the request's entry page table, no per-row table).
+Reference: dsv4_tree.reference.sparse_decode.ref_indexer_gather_scores / ref_indexer_paged_scores."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +22,9 @@ from ._pool_rows import load_pool_rows, pool_format
 
 
 @triton.jit
-def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
+def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, crow_ptr, len_ptr, out_ptr, H, D, C, CP, EPP, scale,
                            k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-                           FMT: tl.constexpr,
+                           FMT: tl.constexpr, PAGED: tl.constexpr,
                            BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -33,7 +35,13 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
     w = tl.load(w_ptr + qrow, mask=hmask, other=0.0).to(tl.float32)
     cmask = rc < C
-    ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
+    if PAGED:  # candidate c of the row's request: entry_pages[request, c // EPP] * EPP + c % EPP
+        crow = tl.load(crow_ptr + t).to(tl.int64)
+        n = tl.load(len_ptr + crow)
+        page = tl.load(cand_ptr + crow * CP + rc // EPP, mask=cmask & (rc < n), other=-1).to(tl.int64)
+        ids = tl.where(page >= 0, page * EPP + rc % EPP, -1)
+    else:
+        ids = tl.load(cand_ptr + t.to(tl.int64) * C + rc, mask=cmask, other=-1)
     ok = ids >= 0
     keys = load_pool_rows(k_ptr, ids, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
     dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BH, BC]
@@ -44,6 +52,24 @@ def _indexer_gather_kernel(q_ptr, w_ptr, cand_ptr, out_ptr, H, D, C, scale,
 
 def indexer_gather_scores(q, weights, keys, cand, scale):
     """Same contract as ref_indexer_gather_scores -> [T, C] fp32 (-inf where cand < 0)."""
+    return _launch(q, weights, keys, cand, None, scale)
+
+
+def indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, req_rows, row_slot, scale):
+    """Same contract as ref_indexer_paged_scores -> [T, Cp * epp] fp32: each row reads the entry
+    pages of its request (row_slot // N) and computes its slots in the kernel."""
+    check("req_rows", req_rows, 2, INDEX)
+    check("row_slot", row_slot, 1, INDEX)
+    check("entry_len", entry_len, 1, INDEX)
+    if row_slot.shape[0] != q.shape[0]:
+        raise InputError(f"row_slot has {row_slot.shape[0]} rows, q has {q.shape[0]}")
+    if entry_len.shape[0] != entry_pages.shape[0]:
+        raise InputError(f"entry_len has {entry_len.shape[0]} requests, entry_pages {entry_pages.shape[0]}")
+    crow = (row_slot // req_rows.shape[1]).contiguous()
+    return _launch(q, weights, keys, entry_pages, crow, scale, entry_len.contiguous(), int(entries_per_page))
+
+
+def _launch(q, weights, keys, cand, crow, scale, lengths=None, epp: int = 1):
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
     check_scale(scale)
@@ -51,18 +77,20 @@ def indexer_gather_scores(q, weights, keys, cand, scale):
     if tuple(weights.shape) != (t, h):
         raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
     check("cand", cand, 2, INDEX)
-    if cand.shape[0] != t:
+    if crow is None and cand.shape[0] != t:
         raise InputError(f"cand has {cand.shape[0]} rows, q has {t}")
     fmt = pool_format("keys", keys)
     if fmt.head_dim != d:
         raise InputError(f"keys has head_dim {fmt.head_dim}, q has head_dim {d}")
     check_device(q, weights, cand, fmt.storage)
-    c = cand.shape[1]
+    cp = cand.shape[1]
+    c = cp * epp if crow is not None else cp
     out = torch.empty(t, c, dtype=torch.float32, device=q.device)
     if t == 0 or c == 0:
         return out
     bc = 16
     _indexer_gather_kernel[(t, triton.cdiv(c, bc))](
-        q, weights, cand, out, h, d, c, float(scale), *fmt.kernel_args(),
-        FMT=fmt.fmt, BH=pow2(h), BC=bc, BD=pow2(d))
+        q, weights, cand, cand if crow is None else crow, cand if lengths is None else lengths, out, h, d, c, cp,
+        epp, float(scale), *fmt.kernel_args(),
+        FMT=fmt.fmt, PAGED=crow is not None, BH=pow2(h), BC=bc, BD=pow2(d))
     return out

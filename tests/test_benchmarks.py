@@ -35,6 +35,42 @@ def test_bench_verify_without_matplotlib(tmp_path):
     assert not png.exists()
     data = json.loads(lines[-1])
     assert data["context"] == 64 and data["N"] == 2 and len(data["records"]) == 1, data
+    rec = data["records"][0]
+    assert rec["floor_s"] == max(rec["floor_weights_s"] + rec["floor_kv_s"], rec["floor_flops_s"]) > 0
+    assert rec["tree_over_floor"] == rec["tree_s"] / rec["floor_s"]
+
+
+def _load(name):
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_plan_quick_one_copy_per_step_and_flat_op_counts(capsys):
+    _load("bench_plan").main(["--quick"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    recs = out["records"]
+    assert len(recs) == 4 and all(r["h2d_copies"] == 1 for r in recs), recs
+    assert len({r["build_ops"] for r in recs}) == 1, recs  # the build: the same ops at 4K and 64K, bs 1 and 4
+    ratio = [v for k, v in out["ratios"].items() if k.startswith("ops(65536)/ops(4096)")]
+    assert ratio and ratio[0] <= 1.1, out["ratios"]
+
+
+def test_roofline_of_the_bench_model_is_its_weights_at_short_context():
+    """The Flash-shaped bench model's floor at 64K, bs 1, N 8 is its bf16 weights (~796 MB) at
+    4.3 TB/s, about 0.19 ms (the count in the project's GPU-gap notes)."""
+    bench_plan, roofline = _load("bench_plan"), _load("roofline")
+    import dsv4_tree as dt
+
+    engine = dt.Engine(bench_plan.meta_model(3), dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=8,
+                                                               max_requests=1, max_total_tokens=70000,
+                                                               kv_cache_dtype="fp8_e4m3"))
+    fl = roofline.step_floor(engine, [65536], [8])
+    assert 0.17e-3 < fl.weights_s < 0.20e-3 and fl.kv_s < 0.1 * fl.weights_s and fl.seconds == fl.weights_s + fl.kv_s
 
 
 def _bench_accept():

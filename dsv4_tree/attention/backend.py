@@ -10,16 +10,17 @@ from . import torch_ops
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three hot spots, same signatures in every backend (torch_ops.py; references in
-    reference/)."""
+    """The hot spots, same signatures in every backend (torch_ops.py; references in reference/)."""
 
     name: str
     pool_entries: Callable  # torch_ops.pool_entries
-    indexer_scores: Callable  # torch_ops.indexer_gather_scores
+    indexer_scores: Callable  # torch_ops.indexer_gather_scores (each row's branch keys)
+    indexer_paged_scores: Callable  # torch_ops.indexer_paged_scores (each request's committed keys)
     sparse_decode: Callable  # torch_ops.sparse_decode
 
 
-TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores, torch_ops.sparse_decode)
+TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores,
+                         torch_ops.indexer_paged_scores, torch_ops.sparse_decode)
 
 
 def get_backend(name: str) -> AttentionOps:
@@ -29,7 +30,8 @@ def get_backend(name: str) -> AttentionOps:
         try:  # the kernels package loads its modules (and Triton) on first attribute access
             from .. import kernels
 
-            return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores, kernels.sparse_decode)
+            return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores,
+                                kernels.indexer_paged_scores, kernels.sparse_decode)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

@@ -8,7 +8,7 @@ from ..serving.tables import CompressTables
 
 
 def gather_block_rows(pool: CompressorPools, ct: CompressTables, bias: torch.Tensor):
-    """Source rows of every closing row's entry, position bias added. -> kv, gate [E, R, head_dim]
+    """Source rows of every row's entry, position bias added. -> kv, gate [T, R, head_dim]
     (R = m for C128; 2m for C4: block w-1's first-half channels, then block w's second half).
     Rows before position 0 (block -1) are null: kv 0, gate -inf."""
     ok = (ct.src >= 0).unsqueeze(-1)
@@ -24,9 +24,8 @@ def gather_block_rows(pool: CompressorPools, ct: CompressTables, bias: torch.Ten
 
 
 def branch_entries(pool: CompressorPools, ct: CompressTables, module, rope_cs, apply_rope, pool_fn) -> torch.Tensor:
-    """Entries closed inside this verify, one per closing row (in ct.closing order). [E, head_dim]"""
-    if ct.closing.shape[0] == 0:
-        return pool.rows_kv.new_zeros((0, pool.head_dim))
+    """Entries closed inside this verify, one per row (rows that close no block pool the trash
+    rows; their entry goes to the trash entry slot). [T, head_dim]"""
     kv, gate = gather_block_rows(pool, ct, module.position_bias)
     cos, sin = rope_cs
     return pool_fn(kv, gate, module.kv_norm, cos, sin, apply_rope)

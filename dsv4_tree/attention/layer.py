@@ -15,6 +15,7 @@ from .torch_ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
 from .compress import branch_entries
+from .indexer import indexer_select
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class RowRope:
     `full` widens them to a head width (numerics/rope.py: rope_tables) once per verify."""
 
     rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (numerics/rope.py)
-    blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]; None where no row closes a block
+    blocks: dict  # ratio -> the same [1, T, rope_dim/2, 2] at each row's block start
     widened: dict = field(default_factory=dict)  # (label or ratio, width, inverse) -> full-width tables
 
     def full(self, key, width: int, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,29 +45,26 @@ def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
 
 
 def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRope, ops, apply_rope):
-    """Write this layer's compressor rows and branch entries; -> (extra index [T, K], lengths [T], ties)."""
+    """Write this layer's compressor rows and branch entries; -> (extra index [T, K], lengths [T], ties).
+    Every row pools an entry (rows that close no block pool into the trash entry): static shapes."""
     comp = attn.compressor
     ct = plan.compress[comp.compress_rate]
-    closes = ct.closing.shape[0] > 0  # a host-known shape: most decode steps close no block
     pools.main.write_rows(plan.out_loc, comp.kv_proj(x)[0], comp.gate_proj(x)[0])
-    if closes:
-        cs = rope.full(comp.compress_rate, pools.main.head_dim)
-        pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
+    cs = rope.full(comp.compress_rate, pools.main.head_dim)
+    pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
     idx = getattr(comp, "indexer", None)
     if idx is None:
-        return ct.entries, ct.entry_len, None
+        return ct.row_entries, ct.row_len, None
     t = plan.num_rows
     pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
-    if closes:
-        cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
-        pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope,
-                                                                 ops.pool_entries))
+    cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
+    pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope, ops.pool_entries))
     ccos, csin = rope.full("compress", idx.head_dim)
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
     iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
-    scores = ops.indexer_scores(iq, iw, pools.indexer.entries, ct.entries, idx.scorer.softmax_scale)
-    return select_topk_table(scores, ct.entries, idx.index_topk)
+    return indexer_select(ops, iq, iw, pools.indexer.entries, ct, plan.groups, idx.scorer.softmax_scale,
+                          idx.index_topk)
 
 
 def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, ops, apply_rope):

@@ -6,6 +6,7 @@ these are tested against (tests/test_torch_ops.py); the Triton kernels share the
   select_topk_table      -- the indexer's deterministic top-k (tie rule below), both backends
   sparse_decode          -- MQA with a per-head sink over per-row index lists into pools
   indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
+  indexer_paged_scores   -- the same for each request's committed keys through its entry pages
   sparse_mqa_sink        -- MQA over per-row index lists into key tables (+ shared keys): the
                             MTP drafter's attention
 Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
@@ -44,25 +45,34 @@ def pool_entries(
 TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
 
 
+def topk_order(scores: torch.Tensor, topk: int):
+    """The tie rule: scores [T, C] in block order (-inf = no candidate) -> (order [T, k] column
+    ids best first, valid [T, k], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal
+    or within TIE_MARGIN relative), k = min(topk, C). A stable descending sort keeps block
+    order among equal scores. No host reads."""
+    t, c = scores.shape
+    k = min(topk, c)
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    valid = torch.isfinite(order_scores[:, :k])
+    ties = torch.zeros(t, dtype=torch.int64, device=scores.device)
+    if 0 < k < c:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
+        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).long()
+    return order[:, :k], valid, ties
+
+
 def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
     """The tie rule over a per-row candidate table (block order; -inf = no candidate).
 
     scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
-    lengths [T], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal or within
-    TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+    lengths [T], ties [T]), k = min(topk, C) (see topk_order)."""
     t, c = scores.shape
-    k = min(topk, c)
-    if k == 0:
+    if min(topk, c) == 0:
         return cand[:, :0], cand.new_zeros(t), cand.new_zeros(t)
-    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    valid = torch.isfinite(order_scores[:, :k])
-    selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
-    ties = cand.new_zeros(t)
-    if k < c:
-        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
-    return selected, valid.sum(1), ties
+    order, valid, ties = topk_order(scores, topk)
+    selected = torch.where(valid, torch.gather(cand, 1, order), torch.full_like(cand[:, : order.shape[1]], -1))
+    return selected, valid.sum(1), ties.to(cand.dtype)
 
 
 def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +128,38 @@ def indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) -> t
         s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
         out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
     return out
+
+
+def paged_slots(entry_pages, entries_per_page: int, entry_len) -> torch.Tensor:
+    """Page form -> slots [B, C] (C = pages x entries_per_page), -1 at and past entry_len[b]."""
+    epp = entries_per_page
+    slots = (as_dtype(entry_pages, torch.int64).unsqueeze(2) * epp + torch.arange(epp, device=entry_pages.device)).flatten(1)
+    cols = torch.arange(slots.shape[1], device=slots.device)
+    return torch.where(cols < entry_len.unsqueeze(1), slots, -1)
+
+
+def indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, req_rows, row_slot,
+                             scale) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[slot of entry c of the row's
+    request]), -inf for c >= that request's entry_len (DeepGEMM's paged MQA logits).
+
+    q [T, HI, dI]; weights [T, HI]; keys: a KVPool of indexer keys; entry_pages [B, Cp] int: entry
+    c of request b sits at slot entry_pages[b, c // epp] * epp + c % epp (epp = entries_per_page);
+    entry_len [B]; req_rows [B, N] packed rows of each request (-1 = none); row_slot [T] =
+    request * N + the row's node id (a padding row reads slot 0). Returns [T, Cp * epp] fp32. A
+    request's keys are read once and scored for all its rows in one batched product
+    [B, N * HI, C] (no loop over candidate chunks: the same ops whatever C)."""
+    slots = paged_slots(entry_pages, entries_per_page, entry_len)  # [B, C]
+    b, c = slots.shape
+    n, (_, h, d) = req_rows.shape[1], q.shape
+    rows = req_rows.clamp(min=0)
+    qg = f32(q)[rows].view(b, n * h, d)  # [B, N*HI, dI]
+    wg = f32(weights)[rows]  # [B, N, HI]
+    k = f32(keys.read(slots))  # [B, C, dI]
+    s = torch.relu(torch.matmul(qg, k.transpose(1, 2))).view(b, n, h, c)  # [B, N, HI, C]
+    s = torch.matmul(wg.unsqueeze(2), s).squeeze(2) * scale  # [B, N, C]: the head-weighted sum
+    s = s.masked_fill(slots.unsqueeze(1) < 0, float("-inf"))
+    return s.view(b * n, c)[row_slot]
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
     pos = plan.positions.unsqueeze(0)
     rows = {label: rope_pairs(*rot(like, position_ids=pos, layer_type=label)) for label in ("main", "compress")}
     blocks = {m: rope_pairs(*rot(like, position_ids=ct.block_start.unsqueeze(0), layer_type="compress"))
-              if ct.closing.shape[0] else None for m, ct in plan.compress.items()}  # None: no block closes
+              for m, ct in plan.compress.items()}
     return RowRope(rows, blocks)
 
 

@@ -1,33 +1,64 @@
-"""CUDA-graph capture and replay of the verify forward, one graph per static-shape bucket.
+"""CUDA-graph capture and replay of a whole verify step's device half: the table build
+(serving/step.py build_from) and the forward, one graph per static-shape bucket.
 
-The plan's tensors are copied into the bucket's static buffers, the captured forward is
-replayed, and its outputs are cloned out. Everything the forward writes (pools) is addressed
-through those buffers, so a replay with a new plan writes exactly where an eager run would."""
+A step's device inputs (its staged int32 buffer) are copied into the bucket's static input
+buffer, the captured build + forward is replayed, and its outputs are cloned out. Everything
+the graph writes (pools) is addressed through tables it builds from those inputs and from the
+device page tables (updated in place before the replay), so a replay writes exactly where an
+eager run would. The number of graphs is bounded by the buckets: powers of two in requests and
+in context pages (serving/buckets.py), not one per context length."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Callable
 
 import torch
 
-from ..serving.buckets import Bucket
+from ..serving.step import StepShapes, build_from
 from ..serving.tables import VerifyPlan
 from .forward import RowsRun, run_rows
 
 
-def _copy_into(static, new) -> None:
-    for f in fields(static):
-        a, b = getattr(static, f.name), getattr(new, f.name)
-        if isinstance(a, torch.Tensor):
-            a.copy_(b, non_blocking=True)
-        elif isinstance(a, dict):
-            for k in a:
-                _copy_into(a[k], b[k])
+def copy_into(static, new) -> None:
+    """Copy every tensor of `new` into the same place of `static` (nested dicts, tuples, dataclasses)."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(new, non_blocking=True)
+    elif isinstance(static, dict):
+        for k in static:
+            copy_into(static[k], new[k])
+    elif isinstance(static, (tuple, list)):
+        for a, b in zip(static, new):
+            copy_into(a, b)
+    elif is_dataclass(static) and not isinstance(static, type):
+        for f in fields(static):
+            copy_into(getattr(static, f.name), getattr(new, f.name))
+
+
+def cuda_capture(fn: Callable):
+    """Warm up fn on a side stream (allocator, lazy inits), capture it; -> (replay, static outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def eager_capture(fn: Callable):
+    """The same contract without CUDA (tests on any device): replay reruns fn and copies its
+    results into the outputs of the first run, as a graph replay refills its static outputs."""
+    out = fn()
+    return (lambda: copy_into(out, fn())), out
 
 
 @dataclass
 class _Captured:
-    graph: "torch.cuda.CUDAGraph"
-    plan: VerifyPlan  # static buffers the graph reads
+    replay: Callable
+    inputs: torch.Tensor  # [3B + 2T] static input buffer the graph reads
+    tables: dict  # static tables (VerifyPlan tensor fields) the graph writes
     out: RowsRun  # static outputs the graph writes
 
 
@@ -35,37 +66,38 @@ MAX_GRAPHS = 16  # captured graphs kept at once (least recently used dropped fir
 
 
 class GraphCache:
-    """Captured graphs by bucket. Buckets grow with the context (entry-table widths are powers
-    of two), so over a long run the count is bounded: at most MAX_GRAPHS graphs and their memory
-    are held, the least recently replayed one released first."""
+    """Captured steps by bucket (batch, N, context in pages, all rounded to powers of two). Over
+    a long run at most max_graphs graphs and their memory are held: the least recently
+    replayed one is released first."""
 
-    def __init__(self, model, pools, ops, max_graphs: int = MAX_GRAPHS):
-        self.model, self.pools, self.ops = model, pools, ops
-        self.graphs: dict = {}  # bucket -> _Captured, least recently used first
+    def __init__(self, model, runtime, ops, capture: Callable = cuda_capture, max_graphs: int = MAX_GRAPHS):
+        self.model, self.runtime, self.ops, self.capture = model, runtime, ops, capture
+        self.graphs: dict = {}  # shapes -> _Captured, least recently used first
         self.max_graphs = max_graphs
 
     @torch.inference_mode()  # as run_rows: the static buffers may be inference tensors
-    def run(self, plan: VerifyPlan, bucket: Bucket) -> RowsRun:
-        """plan: padded to `bucket`, on the model's (CUDA) device."""
-        cap = self.graphs.pop(bucket, None)
-        if cap is None:
+    def run(self, staged: torch.Tensor, shapes: StepShapes) -> tuple:
+        """staged: a graphed plan's device inputs. -> (RowsRun (cloned), the static tables: valid
+        until this bucket's next replay)."""
+        cap = self.graphs.pop(shapes, None)
+        if cap is None:  # capture records (a CUDA capture computes nothing): replay it below
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))  # its graph and buffers go with it
-            cap = self._capture(plan)
+            cap = self._capture(staged.clone(), shapes)
         else:
-            _copy_into(cap.plan, plan)
-        self.graphs[bucket] = cap  # most recently used last
-        cap.graph.replay()
+            cap.inputs.copy_(staged, non_blocking=True)
+        self.graphs[shapes] = cap  # most recently used last
+        cap.replay()
         o = cap.out
-        return RowsRun(o.logits.clone(), o.topk_ties.clone(), o.hidden.clone())
+        return RowsRun(o.logits.clone(), o.topk_ties.clone(), o.hidden.clone()), cap.tables
 
-    def _capture(self, plan: VerifyPlan) -> _Captured:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up (allocator, lazy inits); writes what verify writes
-            run_rows(self.model, plan, self.pools, self.ops)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run_rows(self.model, plan, self.pools, self.ops)
-        return _Captured(graph, plan, out)
+    def _capture(self, inputs: torch.Tensor, shapes: StepShapes) -> _Captured:
+        rt = self.runtime
+
+        def step():
+            tables = build_from(inputs, shapes, rt.device_pages, rt.layout)
+            plan = VerifyPlan(**tables, rows=(), seq_lens=(), offsets=(), num_nodes=(), trees=())
+            return tables, run_rows(self.model, plan, rt.pools, self.ops)
+
+        replay, (tables, out) = self.capture(step)
+        return _Captured(replay, inputs, tables, out)

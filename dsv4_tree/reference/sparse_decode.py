@@ -4,6 +4,8 @@ form), one row at a time in fp32.
   ref_sparse_decode          -- MQA with a per-head sink over per-row index lists into one or two
                                 pools (main: SWA rows; extra: C4 / C128 entries), K = V
   ref_indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
+  ref_indexer_paged_scores   -- the same for the committed keys of each request, through the
+                                request's entry page table: one pass per request for all its rows
 
 Pools are read only through `pool.read(slots)` (dequantised rows in the pool's compute dtype),
 so these hold for every storage dtype."""
@@ -58,4 +60,25 @@ def ref_indexer_gather_scores(q, weights, keys, cand, scale) -> torch.Tensor:
         k = keys.read(cand[t][ok].long()).float()  # [C', dI]
         per_head = torch.relu(q[t].float() @ k.t()) * scale  # [HI, C']
         out[t, ok] = (weights[t].float().view(-1, 1) * per_head).sum(dim=0)
+    return out
+
+
+def ref_indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, req_rows, row_slot,
+                             scale) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[slot of entry c of the row's
+    request]), -inf for c >= that request's entry_len (DeepGEMM's paged MQA logits).
+
+    q [T, HI, dI]; weights [T, HI]; keys: a KVPool of indexer keys; entry_pages [B, Cp] int: entry
+    c of request b sits at slot entry_pages[b, c // epp] * epp + c % epp (epp = entries_per_page);
+    entry_len [B]; req_rows [B, N] (unused here: each row is scored alone); row_slot [T] = request *
+    N + the row's node id. Returns [T, Cp * epp] fp32, row by row through ref_indexer_gather_scores."""
+    epp, n = entries_per_page, req_rows.shape[1]
+    c = entry_pages.shape[1] * epp
+    out = torch.full((q.shape[0], c), float("-inf"), device=q.device)
+    for t in range(q.shape[0]):
+        b = int(row_slot[t]) // n
+        cols = torch.arange(c, device=q.device)
+        slots = entry_pages[b].long().repeat_interleave(epp) * epp + cols % epp
+        cand = torch.where(cols < entry_len[b], slots, -1).unsqueeze(0)
+        out[t] = ref_indexer_gather_scores(q[t : t + 1], weights[t : t + 1], keys, cand, scale)[0]
     return out

@@ -8,11 +8,11 @@ from .pages import PageTable
 from .pools import CompressorPools, CompressorShape, LayerPools, LayerShape, Layout, build_pools
 from .records import IndexKeyLayout, RecordLayout, dequantize_rows, quantize_rows
 from .swa_table import tree_swa_page_indices
-from .tables import CompressTables, VerifyPlan, build_tables
+from .tables import CompressTables, RowGroups, TokenPages, VerifyPlan, build_tables, draft_cache_loc
 
 __all__ = [
     "KV_CACHE_DTYPES", "POOL_KINDS", "CompressTables", "CompressorPools", "CompressorShape", "IndexKeyLayout",
     "KVPool", "LayerPools", "LayerShape", "Layout", "PageAllocator", "PageTable", "PoolExhausted", "RecordLayout",
-    "SlotMoves", "VerifyPlan", "apply_moves", "build_pools", "build_tables", "dequantize_rows", "plan_moves",
-    "quantize_rows", "tree_swa_page_indices",
+    "RowGroups", "SlotMoves", "TokenPages", "VerifyPlan", "apply_moves", "build_pools", "build_tables",
+    "dequantize_rows", "draft_cache_loc", "plan_moves", "quantize_rows", "tree_swa_page_indices",
 ]

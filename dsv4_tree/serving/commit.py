@@ -25,9 +25,12 @@ class SlotMoves:
     entry_dst: dict  # ratio -> [K] committed entry slots
 
     def to(self, device) -> "SlotMoves":
-        return SlotMoves(self.recent_src.to(device), self.recent_dst.to(device),
-                         {m: v.to(device) for m, v in self.entry_src.items()},
-                         {m: v.to(device) for m, v in self.entry_dst.items()})
+        """All moves on `device` through one host-to-device copy of one packed buffer."""
+        ratios = sorted(self.entry_src)
+        parts = [self.recent_src, self.recent_dst] + [x for m in ratios for x in (self.entry_src[m], self.entry_dst[m])]
+        flat = torch.cat(parts).to(device, non_blocking=True).split([p.numel() for p in parts])
+        return SlotMoves(flat[0], flat[1], {m: flat[2 + 2 * i] for i, m in enumerate(ratios)},
+                         {m: flat[3 + 2 * i] for i, m in enumerate(ratios)})
 
 
 def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotMoves:

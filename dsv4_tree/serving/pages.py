@@ -8,7 +8,9 @@ in its page equals its slot's offset in the page):
   recent slots : the smaller pool of raw K=V rows and compressor rows (SGLang's SWA pool),
                  full_to_recent[token page] * page_size + offset; only pages that a future row
                  can still read (positions >= P - recent_window) keep one.
-Nothing here touches a device; serving/tables.py turns these into per-row index tensors."""
+Nothing here touches a device. Every mapping `ensure` makes is also recorded (`take_updates`)
+so the next verify step carries it to the device copy of these tables (serving/step.py);
+serving/tables.py builds the per-row index tensors there."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +32,8 @@ class PageTable:
         self._rows = list(range(max_requests - 1, -1, -1))
         self.mapped = [0] * max_requests  # token pages mapped per row
         self.evicted = [0] * max_requests  # leading token pages whose recent page was freed
+        self._new_cells: dict = {}  # row * pages_per_request + page index -> token page, since take_updates
+        self._new_recent: dict = {}  # token page -> recent page (-1: none), since take_updates
 
     # ------------------------------------------------------------------ requests
     def admit(self) -> int:
@@ -68,14 +72,28 @@ class PageTable:
         for r, new, with_recent in plan:
             if not new:
                 continue
-            tok = torch.tensor(self.tokens.alloc(len(new)), dtype=torch.int64)
+            pages_list = self.tokens.alloc(len(new))
+            tok = torch.tensor(pages_list, dtype=torch.int64)
             self.req_to_page[r, new.start : new.stop] = tok
+            base = r * self.pages_per_request
+            self._new_cells.update(zip(range(base + new.start, base + new.stop), pages_list))
+            self._new_recent.update(zip(pages_list[: len(new) - len(with_recent)], [-1] * (len(new) - len(with_recent))))
             if with_recent:
                 ks = torch.tensor(with_recent) - new.start
-                self.full_to_recent[tok[ks]] = torch.tensor(self.recent.alloc(len(with_recent)), dtype=torch.int64)
+                rec = self.recent.alloc(len(with_recent))
+                self.full_to_recent[tok[ks]] = torch.tensor(rec, dtype=torch.int64)
+                self._new_recent.update(zip(pages_list[len(new) - len(with_recent):], rec))
             if self.evicted[r] == new.start:  # leading pages that never got a recent page
                 self.evicted[r] = with_recent[0] if with_recent else new.stop
             self.mapped[r] = new.stop
+
+    def take_updates(self) -> tuple:
+        """The mappings made since the last call, as four int lists: page-table cells
+        (row * pages_per_request + page index) and their token pages, token pages and their
+        recent pages (-1 = none). Each cell and token page appears once (its latest value)."""
+        cells, recent = self._new_cells, self._new_recent
+        self._new_cells, self._new_recent = {}, {}
+        return list(cells), list(cells.values()), list(recent), list(recent.values())
 
     def shrink(self, rows, lengths) -> None:
         """Free token pages (and their recent pages) wholly at or past lengths[i]."""

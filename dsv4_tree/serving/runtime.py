@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from .buckets import step_shapes
 from .commit import apply_moves, plan_moves
 from .pages import PageTable
 from .pools import Layout, build_pools
 from .state_view import committed_view
-from .tables import VerifyPlan, build_tables
+from .step import DevicePages, HostStep, build_step, schedule, upload
+from .tables import VerifyPlan
 
 DEFAULT_TOKEN_CAP = 1 << 18
 
@@ -37,6 +39,9 @@ class ServingRuntime:
                                self.layout.num_token_pages, self.layout.num_recent_pages)
         self.pools = build_pools(model.layer_shapes(), model.rope_dim, self.layout, spec.kv_cache_dtype,
                                  model.device, model.dtype)
+        self.device_pages = DevicePages(spec.max_requests, self.pages.pages_per_request,
+                                        self.layout.num_token_pages, spec.page_size, model.device)
+        self.max_nodes = limits.max_nodes
 
     def admit(self) -> int:
         return self.pages.admit()
@@ -45,11 +50,29 @@ class ServingRuntime:
         self.pages.release(row)
 
     @torch.inference_mode()
-    def plan(self, rows, seq_lens, trees) -> VerifyPlan:
-        """Map the draft slots (positions P .. P+N-1) of every request, then build the tables."""
+    def plan(self, rows, seq_lens, trees, bucketed: bool = False, graphed: bool = False) -> VerifyPlan:
+        """Map the draft slots (positions P .. P+N-1) of every request (host), pack the step into
+        one int32 buffer, copy it to the device once and build the tables there. bucketed: pad
+        to the static shapes of a bucket (serving/buckets.py); graphed: only copy (and apply the
+        page updates): the captured graph builds the tables with the forward (executor/graphs.py)."""
         r = self.layout.recent_window
-        self.pages.ensure(rows, [p + t.num_nodes for p, t in zip(seq_lens, trees)], [p - r for p in seq_lens])
-        return build_tables(trees, seq_lens, rows, self.pages, self.layout)
+        sizes = [t.num_nodes for t in trees]
+        self.pages.ensure(rows, [p + n for p, n in zip(seq_lens, sizes)], [p - r for p in seq_lens])
+        shapes = step_shapes(sizes, seq_lens, self.layout, self.max_nodes if bucketed else None)
+        step = schedule(rows, seq_lens, trees, sizes, self.pages.take_updates(), shapes)
+        offsets = [0]
+        for n in sizes[:-1]:
+            offsets.append(offsets[-1] + n)
+        host = dict(rows=tuple(rows), seq_lens=tuple(seq_lens), offsets=tuple(offsets), num_nodes=tuple(sizes),
+                    trees=tuple(trees), bucket=shapes if bucketed else None)
+        if graphed:
+            staged = upload(step, self.device_pages, self.model.device)
+            return VerifyPlan(shapes.rows, None, None, None, None, None, {}, None, staged=staged, **host)
+        return VerifyPlan(**self.build(step), **host)
+
+    def build(self, step: HostStep) -> dict:
+        """Device half: the one copy, then every table (no host reads; graph-capturable)."""
+        return build_step(step, self.device_pages, self.layout, self.model.device)
 
     @torch.inference_mode()
     def commit(self, rows, seq_lens, paths, before_write=None) -> None:

@@ -1,177 +1,260 @@
-"""Verify tables: the per-row index lists of one verify step, built once for the whole batch.
+"""Verify tables built on the device: pure tensor functions from SGLang-form inputs.
 
-Pure functions of host bookkeeping (trees, P per request, page tables) -> int64 tensors; no
-Python loop over requests or nodes (trees are packed into T rows with global parent ids).
-Every layer reads the same tables; kernels read pools through them and never learn which
-request a row belongs to. Conventions (SGLang's EAGLE tree verify): draft node i of a request
-with P committed positions has its token slot at position P + i of the request's page table;
-its own position is P + depth(i)."""
+Inputs, on one device, named as SGLang names them: the page tables (`TokenPages`: req_to_token
+and full_to_swa in page form), `req_pool_indices` [B], `seq_lens` [B] (P), `out_cache_loc` [T]
+(token slot of each row: position P + node, SGLang's tree convention) and the packed trees:
+`input_ids` [T], `parents` [T] (local node ids, -1 at roots and padding), the request of each
+row [T] (-1 = padding row) and each row's node id [T]. Static shapes only (B, T, N = nodes per
+request, C per ratio = committed-entry width): no host read, no shape that depends on values,
+so the number of ops is the same whatever the context or the batch, and the build can be
+captured in one CUDA graph with the forward.
+
+What is never built: a row's list of committed entries. Committed C4 / C128 entries are a
+per-request page-table form (`entry_pages` [B, C / epp] + `entry_len` [B]); the indexer scores them
+once per request (attention/indexer.py) and each row adds its own branch entries [T, Kb].
+Only ratios without an indexer (C128) also get SGLang's per-row `c128_page_indices` form.
+The host builder this must equal bit for bit is reference/tables.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
-from ..tree.draft_tree import depth_by_pointer_jumping
-from .pages import PageTable
 from .pools import Layout
 
 
 @dataclass(frozen=True)
+class TokenPages:
+    """Page-form address tables (a position's offset in its page is its slot's offset)."""
+
+    page_table: torch.Tensor  # [rows, pages] token page of (request row, page index), -1 unmapped
+    swa_pages: torch.Tensor  # [token pages] SWA (recent) page of each token page, -1 none
+    page_size: int
+
+    @classmethod
+    def from_sglang(cls, req_to_token: torch.Tensor, full_to_swa_mapping: torch.Tensor, page_size: int):
+        """From SGLang's per-position req_to_token [rows, positions] and per-slot
+        full_to_swa_mapping [slots] (pages aligned: slot % page_size == position % page_size)."""
+        first, swa = req_to_token[:, ::page_size], full_to_swa_mapping[::page_size]
+        return cls(torch.where(first >= 0, first // page_size, -1), torch.where(swa >= 0, swa // page_size, -1),
+                   page_size)
+
+    def token_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token slots of positions (broadcast with rows); -1 where position < 0 or unmapped."""
+        ps = self.page_size
+        pos = positions.clamp(min=0)
+        page = self.page_table[rows, (pos // ps).clamp(max=self.page_table.shape[1] - 1)].long()
+        return torch.where((positions >= 0) & (page >= 0), page * ps + pos % ps, -1)
+
+    def swa_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """SWA (recent) slot of each token slot; -1 where none."""
+        ps = self.page_size
+        s = token_slots.clamp(min=0)
+        page = self.swa_pages[s // ps].long()
+        return torch.where((token_slots >= 0) & (page >= 0), page * ps + s % ps, -1)
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """Which rows belong to which request (the indexer shares one pass over a request's keys)."""
+
+    row_req: torch.Tensor  # [T] request index b of each row, -1 = padding row
+    row_slot: torch.Tensor  # [T] b * N + node: the row's place in a [B, N] grid (0 for padding)
+    req_rows: torch.Tensor  # [B, N] packed row of node i of request b, -1 = none
+
+
+@dataclass(frozen=True)
 class CompressTables:
-    """One compression ratio m (shared by every layer and compressor of that ratio)."""
+    """One compression ratio m (shared by every layer and compressor of that ratio). Every row
+    is a potential closing row: rows that close no block pool null rows into the trash entry."""
 
     ratio: int
-    closing: torch.Tensor  # [E] packed rows whose position closes a block ((p + 1) % m == 0)
-    entry_out: torch.Tensor  # [E] scratch entry slots their entries are written to
-    block_start: torch.Tensor  # [E] first position of each closed block (the entry's RoPE position)
-    src: torch.Tensor  # [E, R] recent slots of the block's source rows (R = 2m with overlap: block
-    #                    w-1 then block w; else m), -1 = before position 0 (null row)
-    entries: torch.Tensor  # [T, C] entry slots a row may read, block order: committed, then the
-    #                        branch entries of path(row); -1 padding. The indexer's candidates.
-    entry_len: torch.Tensor  # [T]
+    closes: torch.Tensor  # [T] bool: the row's position closes a block ((p + 1) % m == 0)
+    entry_out: torch.Tensor  # [T] scratch entry slot a closing row's entry goes to (trash otherwise)
+    block_start: torch.Tensor  # [T] first position of the closed block (its RoPE position; 0 otherwise)
+    src: torch.Tensor  # [T, R] recent slots of the block's source rows (R = 2m with overlap: block
+    #                    w-1 then block w; else m), -1 = before position 0 (null row); trash otherwise
+    entry_pages: torch.Tensor  # [B, C / epp] entry page of each request's committed entries: entry j
+    #                            sits at entry_pages[b, j // epp] * epp + j % epp (entry_slot_of)
+    entries_per_page: int  # epp: page_size // m, or 1 when a block spans pages (one entry per page run)
+    entry_len: torch.Tensor  # [B] committed entries P // m
+    branch: torch.Tensor  # [T, Kb] branch entry slots along path(row) in block order, -1 padding
+    branch_len: torch.Tensor  # [T]
+    row_entries: torch.Tensor | None  # [T, C + Kb] (ratios without indexer) committed then branch, -1 pad
+    row_len: torch.Tensor | None  # [T]
 
 
 @dataclass(frozen=True)
 class VerifyPlan:
-    num_rows: int  # T
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_loc: torch.Tensor  # [T] recent slots each row's K=V and compressor rows are written to
-    swa_index: torch.Tensor  # [T, W] recent slots of the row's window, newest first, -1 = none
-    swa_len: torch.Tensor  # [T]
+    """One step's tables (tensors on the model's device) and host bookkeeping. A graphed step's
+    plan holds only `staged` (its device inputs) until Engine.run_plan builds the tables inside
+    the captured graph (the tensor fields are None until then)."""
+
+    num_rows: int  # T (padding rows included)
+    input_ids: torch.Tensor | None  # [T]
+    positions: torch.Tensor | None  # [T]
+    out_loc: torch.Tensor | None  # [T] recent slots each row's K=V and compressor rows are written to
+    swa_index: torch.Tensor | None  # [T, W] recent slots of the row's window, newest first, -1 = none
+    swa_len: torch.Tensor | None  # [T]
     compress: dict  # ratio -> CompressTables
+    groups: RowGroups | None
     # host bookkeeping, per request (commit and outputs read these; layers never do)
     rows: tuple  # page-table row
     seq_lens: tuple  # P
     offsets: tuple  # first packed row
     num_nodes: tuple  # N
     trees: tuple
+    bucket: object = None  # serving/step.py StepShapes when padded to a bucket's static shapes
+    staged: torch.Tensor | None = None  # [3B + 2T] int32 device inputs of a graphed step's build
 
     def to(self, device) -> "VerifyPlan":
-        """The plan with every tensor (also inside CompressTables) on `device` (the plan itself
+        """The plan with every tensor (also inside nested tables) on `device` (the plan itself
         when all already are)."""
         dev = torch.device(device)
         there = lambda t: t.device == dev or (dev.index is None and t.device.type == dev.type)  # noqa: E731
 
-        def move(obj):
-            changes = {}
-            for f in fields(obj):
-                v = getattr(obj, f.name)
-                if isinstance(v, torch.Tensor) and not there(v):
-                    changes[f.name] = v.to(dev)
-                elif isinstance(v, dict):
-                    moved = {k: move(x) for k, x in v.items()}
-                    if any(moved[k] is not v[k] for k in v):
-                        changes[f.name] = moved
-            return replace(obj, **changes) if changes else obj
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v if there(v) else v.to(dev)
+            if isinstance(v, dict):
+                moved = {k: move(x) for k, x in v.items()}
+                return v if all(moved[k] is v[k] for k in v) else moved
+            if is_dataclass(v) and not isinstance(v, type):
+                changes = {f.name: move(getattr(v, f.name)) for f in fields(v)}
+                changes = {k: x for k, x in changes.items() if x is not getattr(v, k)}
+                return replace(v, **changes) if changes else v
+            return v
 
         return move(self)
 
 
-def ancestor_table(parents: torch.Tensor, width: int) -> torch.Tensor:
-    """anc[t, k] = k-th ancestor of packed row t (k = 0: itself), -1 above the root. [T, width]
-    Doubling: columns [h, 2h) of row t are columns [0, h) of its h-th ancestor."""
+def ancestors(parents: torch.Tensor, width: int) -> torch.Tensor:
+    """parents [T] (packed row ids, -1 at roots) -> [T, width]: column k = k-th ancestor (k = 0:
+    the row itself), -1 above the root. Doubling: columns [h, 2h) are the h-th ancestor's [0, h)."""
     t = parents.shape[0]
-    anc = torch.full((t, width), -1, dtype=torch.int64)
-    anc[:, 0] = torch.arange(t)
-    have = 1
-    while have < width:
-        last = anc[:, have - 1]
-        hth = torch.where(last >= 0, parents[last.clamp(min=0)], torch.full_like(last, -1))
-        take = min(have, width - have)
-        block = anc[hth.clamp(min=0), :take]
-        anc[:, have : have + take] = torch.where(hth.unsqueeze(1) >= 0, block, torch.full_like(block, -1))
-        have += take
+    anc = torch.arange(t, device=parents.device).unsqueeze(1)
+    while anc.shape[1] < width:
+        have = anc.shape[1]
+        last = anc[:, -1]
+        hop = torch.where(last >= 0, parents[last.clamp(min=0)], -1)  # the have-th ancestor
+        block = anc[hop.clamp(min=0), : min(have, width - have)]
+        anc = torch.cat([anc, torch.where(hop.unsqueeze(1) >= 0, block, -1)], 1)
     return anc
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """Packed per-row host facts the tables are built from."""
-
+    valid: torch.Tensor  # [T] bool
+    req: torch.Tensor  # [T] request index (0 for padding)
     row: torch.Tensor  # [T] page-table row
-    node: torch.Tensor  # [T] local node id
-    seq_len: torch.Tensor  # [T] P of the row's request
+    node: torch.Tensor  # [T]
+    seq_len: torch.Tensor  # [T] P of the row's request (0 for padding)
     pos: torch.Tensor  # [T]
-    anc: torch.Tensor  # [T, Dmax + 1]
-    recent: torch.Tensor  # [T] recent slot of each node's token slot
+    anc: torch.Tensor  # [T, N]
+    recent: torch.Tensor  # [T] recent slot of each row's token slot (trash for padding)
 
 
-def _source_slots(rows: _Rows, pages: PageTable, t_idx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Recent slots of absolute positions q [.., k] seen from rows t_idx [..] (ancestors for q >= P)."""
-    pos = rows.pos[t_idx].unsqueeze(-1)
-    p = rows.seq_len[t_idx].unsqueeze(-1)
-    dist = (pos - q).clamp(min=0, max=rows.anc.shape[1] - 1)
-    anc = torch.gather(rows.anc[t_idx], -1, dist)
-    drafted = rows.recent[anc.clamp(min=0)]
-    committed = pages.recent_slots(pages.token_slots(rows.row[t_idx].unsqueeze(-1).expand_as(q), q))
-    out = torch.where(q >= p, drafted, committed)
-    return torch.where(q >= 0, out, torch.full_like(out, -1))
+def _source_slots(r: _Rows, pages: TokenPages, q: torch.Tensor) -> torch.Tensor:
+    """Recent slots of absolute positions q [T, k] seen from each row (its ancestors for q >= P)."""
+    dist = (r.pos.unsqueeze(1) - q).clamp(min=0, max=r.anc.shape[1] - 1)
+    drafted = r.recent[r.anc.gather(1, dist).clamp(min=0)]
+    committed = pages.swa_slots(pages.token_slots(r.row.unsqueeze(1), q))
+    out = torch.where(q >= r.seq_len.unsqueeze(1), drafted, committed)
+    return torch.where(q >= 0, out, -1)
 
 
-def _compress_tables(rows: _Rows, pages: PageTable, layout: Layout, ratio: int, overlap: bool) -> CompressTables:
-    m, t = ratio, rows.pos.shape[0]
-    closing = ((rows.pos + 1) % m == 0).nonzero().flatten()
-    block = (rows.pos[closing] + 1) // m - 1
-    width = 2 * m if overlap else m
-    if closing.numel():
-        first = (block - 1) * m if overlap else block * m
-        src = _source_slots(rows, pages, closing, first.unsqueeze(1) + torch.arange(width))
-    else:  # no row closes a block (most decode steps): nothing to gather
-        src = torch.empty((0, width), dtype=torch.int64)
-    scratch = layout.scratch_slot(m, rows.row, rows.node)  # [T] (used for closing rows only)
-    # committed entries of each request's row, then this row's branch entries in block order
-    n_e = rows.seq_len // m  # [T]
-    first_close = rows.seq_len + (m - 1 - rows.seq_len) % m  # first closing position >= P
-    n_vis = torch.where(rows.pos >= first_close, (rows.pos - first_close) // m + 1, torch.zeros_like(n_e))
-    c = int((n_e + n_vis).max()) if t else 0
-    j = torch.arange(c).unsqueeze(0)
-    k = j.clamp(max=max(0, int(n_e.max()) - 1)) if t else j
-    committed = layout.entry_slot(m, pages.token_slots(rows.row.unsqueeze(1).expand(-1, c), k * m))
-    v = j - n_e.unsqueeze(1)
-    dist = (rows.pos - first_close).unsqueeze(1) - v * m
-    g = torch.gather(rows.anc, 1, dist.clamp(min=0, max=rows.anc.shape[1] - 1))
-    branch = scratch[g.clamp(min=0)]
-    entries = torch.where(j < n_e.unsqueeze(1), committed, torch.where(v < n_vis.unsqueeze(1), branch, -1))
-    return CompressTables(m, closing, scratch[closing], block * m, src, entries, n_e + n_vis)
+def committed_entry_pages(pages: TokenPages, layout: Layout, req_pool_indices: torch.Tensor, m: int,
+                          width: int) -> tuple:
+    """-> (entry_pages [B, ceil(width / epp)], epp): committed entry j of request b has the entry
+    slot entry_pages[b, j // epp] * epp + j % epp (Layout.entry_slot of its block's first token
+    slot). A page holds epp = page_size / m consecutive entries; when m > page_size each entry
+    starts its own run of m / page_size pages (epp = 1). O(B x pages): no per-entry work."""
+    ps, table = pages.page_size, pages.page_table
+    last, dev = table.shape[1] - 1, req_pool_indices.device
+    epp = layout.entries_per_page(m)
+    stride = 1 if m <= ps else m // ps
+    cols = (torch.arange(-(-width // epp), device=dev) * stride).clamp(max=last)
+    return table[req_pool_indices.unsqueeze(1), cols], epp
 
 
-def build_tables(trees, seq_lens, req_rows, pages: PageTable, layout: Layout) -> VerifyPlan:
-    """Tables of one verify step. trees: DraftTree per request; seq_lens: P per request;
-    req_rows: page-table row per request (pages for positions < P + N must be mapped)."""
-    sizes = [t.num_nodes for t in trees]
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
-    counts = torch.tensor(sizes)
-    req = torch.repeat_interleave(torch.arange(len(trees)), counts)
-    start = torch.tensor(offsets)[req]
-    node = torch.arange(req.shape[0]) - start
-    local_parents = torch.cat([t.parents for t in trees])
-    parents = torch.where(local_parents >= 0, local_parents + start, torch.full_like(local_parents, -1))
-    depth = depth_by_pointer_jumping(parents)
-    seq_len = torch.tensor(seq_lens, dtype=torch.int64)[req]
-    row = torch.tensor(req_rows, dtype=torch.int64)[req]
-    pos = seq_len + depth
-    width = int(depth.max()) + 1
-    token = pages.token_slots(row, seq_len + node)
-    rows = _Rows(row, node, seq_len, pos, ancestor_table(parents, width), pages.recent_slots(token))
+def entry_slot_of(ct: "CompressTables", req: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Entry slot of committed entry j of request req (broadcast; j < the page form's width)."""
+    epp = ct.entries_per_page
+    return ct.entry_pages[req, j // epp].long() * epp + j % epp
+
+
+def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq_lens, m: int, overlap: bool,
+              width: int) -> CompressTables:
+    dev = r.pos.device
+    closes = r.valid & ((r.pos + 1) % m == 0)
+    block = (r.pos + 1) // m - 1
+    first = (block - 1) * m if overlap else block * m
+    src = _source_slots(r, pages, first.unsqueeze(1) + torch.arange(2 * m if overlap else m, device=dev))
+    src = torch.where(closes.unsqueeze(1), src, layout.trash_recent_slot)
+    scratch = layout.scratch_slot(m, r.row, r.node)  # [T]
+    entry_out = torch.where(closes, scratch, layout.trash_entry_slot(m))
+    # committed entries, per request: entry j pools the block starting at position j * m
+    n_e = seq_lens // m  # [B]
+    entry_pages, epp = committed_entry_pages(pages, layout, req_pool_indices, m, width)
+    # branch entries, per row: closed on its path at positions first_close, first_close + m, ...
+    first_close = r.seq_len + (m - 1 - r.seq_len) % m
+    n_vis = torch.where(r.valid & (r.pos >= first_close), (r.pos - first_close) // m + 1, 0)
+    kb = (r.anc.shape[1] - 1) // m + 1
+    v = torch.arange(kb, device=dev)
+    dist = ((r.pos - first_close).unsqueeze(1) - v * m).clamp(min=0, max=r.anc.shape[1] - 1)
+    owner = r.anc.gather(1, dist)
+    branch = torch.where(v < n_vis.unsqueeze(1), scratch[owner.clamp(min=0)], -1)
+    row_entries = row_len = None
+    if not overlap:  # no indexer reads this ratio: every row lists all it sees (c128_page_indices)
+        ne = torch.where(r.valid, n_e[r.req], 0).unsqueeze(1)
+        jj = torch.arange(width + kb, device=dev)
+        jc = jj.clamp(max=width - 1)
+        committed = entry_pages[r.req.unsqueeze(1), jc // epp].long() * epp + jc % epp
+        vb = jj - ne
+        own = branch.gather(1, vb.clamp(min=0, max=kb - 1))
+        row_entries = torch.where(jj < ne, committed, torch.where(vb < n_vis.unsqueeze(1), own, -1))
+        row_len = ne.squeeze(1) + n_vis
+    return CompressTables(m, closes, entry_out, torch.where(closes, block * m, 0), src, entry_pages, epp, n_e,
+                          branch, n_vis, row_entries, row_len)
+
+
+def build_tables(pages: TokenPages, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                 out_cache_loc: torch.Tensor, input_ids: torch.Tensor, parents: torch.Tensor,
+                 row_req: torch.Tensor, row_node: torch.Tensor, layout: Layout, num_nodes: int,
+                 widths: dict) -> dict:
+    """Every table of one verify step. req_pool_indices, seq_lens [B]; out_cache_loc, input_ids,
+    parents, row_req, row_node [T] (int, one device); num_nodes: N >= every tree's size;
+    widths: ratio -> C >= max P // ratio (>= 1). Rows of one request are contiguous, root
+    first. Returns the VerifyPlan tensor fields (a dict: the host bookkeeping is the caller's)."""
+    dev, t, n = parents.device, parents.shape[0], num_nodes
+    b = req_pool_indices.shape[0]
+    req_pool_indices, seq_lens = req_pool_indices.long(), seq_lens.long()
+    row_req, row_node, parents = row_req.long(), row_node.long(), parents.long()
+    valid = row_req >= 0
+    req = row_req.clamp(min=0)
+    start = torch.arange(t, device=dev) - row_node  # packed row of the row's root
+    anc = ancestors(torch.where(parents >= 0, start + parents, -1), n)
+    depth = (anc >= 0).sum(1) - 1
+    p = torch.where(valid, seq_lens[req], 0)
+    pos = torch.where(valid, p + depth, 0)
+    row = req_pool_indices[req]
+    recent = torch.where(valid, pages.swa_slots(out_cache_loc.long()), layout.trash_recent_slot)
+    r = _Rows(valid, req, row, row_node, p, pos, anc, recent)
     w = layout.window
-    q = pos.unsqueeze(1) - torch.arange(w)  # newest first
-    swa = _source_slots(rows, pages, torch.arange(pos.shape[0]), q)
-    compress = {m: _compress_tables(rows, pages, layout, m, ov) for m, ov in sorted(layout.ratios.items())}
-    return VerifyPlan(
-        num_rows=pos.shape[0],
-        input_ids=torch.cat([t.tokens for t in trees]),
-        positions=pos,
-        out_loc=rows.recent,
-        swa_index=swa,
-        swa_len=torch.clamp(pos + 1, max=w),
-        compress=compress,
-        rows=tuple(int(r) for r in req_rows),
-        seq_lens=tuple(int(p) for p in seq_lens),
-        offsets=tuple(offsets),
-        num_nodes=tuple(sizes),
-        trees=tuple(trees),
-    )
+    swa = _source_slots(r, pages, pos.unsqueeze(1) - torch.arange(w, device=dev))  # newest first
+    slot = torch.where(valid, req * n + row_node, 0)
+    grid = torch.full((b * n + 1,), -1, dtype=torch.int64, device=dev)
+    grid = grid.index_put((torch.where(valid, slot, b * n),), torch.arange(t, device=dev))[:-1]
+    compress = {m: _compress(r, pages, layout, req_pool_indices, seq_lens, m, ov, widths[m])
+                for m, ov in sorted(layout.ratios.items())}
+    return dict(num_rows=t, input_ids=torch.where(valid, input_ids.long(), 0), positions=pos, out_loc=recent,
+                swa_index=swa, swa_len=torch.where(valid, (pos + 1).clamp(max=w), 0), compress=compress,
+                groups=RowGroups(row_req, slot, grid.view(b, n)))
+
+
+def draft_cache_loc(pages: TokenPages, req_pool_indices, seq_lens, row_req, row_node) -> torch.Tensor:
+    """out_cache_loc [T] of a tree verify: node i of request b at req_to_token[row_b, P_b + i]
+    (SGLang's tree convention); -1 for padding rows."""
+    req = row_req.long().clamp(min=0)
+    loc = pages.token_slots(req_pool_indices.long()[req], seq_lens.long()[req] + row_node.long())
+    return torch.where(row_req >= 0, loc, -1)
