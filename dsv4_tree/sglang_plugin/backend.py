@@ -7,16 +7,26 @@ factory hooks when EAGLE topk > 1).
 * Target verify: eager `init_forward_metadata` keeps the batch's tree (`spec_info`) for
   `make_forward_metadata_from_raw_verify`, which builds tree rows (`metadata.py`).
 * CUDA graphs: refused (ConfigError naming --disable-cuda-graph).
-* The write side of a tree verify (per-branch compressor entries, branch indexer candidates)
-  and topk > 1 draft decode are refused with a StateError naming the step, never run with
+* Tree verify's compressor writes (KV and indexer compressors): each closing node's entry from
+  its own path (`compressor.py`), with dsv4-tree's branch compressor; the ops come from
+  `DSV4_TREE_SGLANG_OPS` ("triton", the default, or "torch"). The pool's C4 / C128 entry
+  buffers are grown by the scratch slots at construction (`scratch.py`).
+* topk > 1 draft decode is refused with a StateError naming the step, never run with
   chain-addressed plans that would mix siblings' state."""
 from __future__ import annotations
 
 import contextlib
+import os
+
 from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 
+from ..attention.backend import get_backend
 from ..errors import ConfigError, StateError
+from .compressor import tree_compress
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
+from .scratch import ensure_scratch
+
+OPS_ENV = "DSV4_TREE_SGLANG_OPS"  # the branch compressor's implementation: "triton" (default) or "torch"
 
 CUDA_GRAPH_REFUSAL = ("dsv4_tree tree verify (EAGLE topk > 1) builds its metadata eagerly: "
                       "launch SGLang with --disable-cuda-graph")
@@ -67,6 +77,8 @@ class _TreeMixin:
         self.mtp_enabled = True
         self._tree_spec_info = None
         _check_pool(self)
+        self._tree_ops = get_backend(os.environ.get(OPS_ENV, "triton"))
+        ensure_scratch(self.token_to_kv_pool, int(real_get_spec().speculative_num_draft_tokens))
 
     def init_cuda_graph_state(self, *args, **kwargs):
         raise ConfigError(CUDA_GRAPH_REFUSAL)
@@ -103,24 +115,24 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
                               "(SGLANG_RAGGED_VERIFY_MODE must be 'static')")
         return tree_verify_metadata(self, raw_metadata, spec.retrieve_next_token, spec.retrieve_next_sibling)
 
-    def forward_core_compressor(self, *args, **kwargs):
-        self._refuse_tree_write("the core compressor's per-branch entries")
-        return super().forward_core_compressor(*args, **kwargs)
+    def forward_core_compressor(self, x, forward_batch, layer_id, compressor):
+        meta = getattr(self, "forward_metadata", None)
+        if not isinstance(meta, TreeDSV4Metadata):
+            return super().forward_core_compressor(x, forward_batch, layer_id, compressor)
+        if forward_batch.forward_mode.is_idle():
+            return None
+        tree_compress(pool=self.token_to_kv_pool, req_to_token=self.req_to_token, tables=meta.tree,
+                      out_cache_loc=meta.core_attn_metadata.raw_out_loc, compressor=compressor,
+                      kv_score=compressor.compute_kv_score(x, forward_batch), layer_id=layer_id, ops=self._tree_ops)
+        return None
 
-    def forward_indexer_compressor(self, *args, **kwargs):
-        self._refuse_tree_write("the indexer compressor's per-branch keys")
-        return super().forward_indexer_compressor(*args, **kwargs)
+    forward_indexer_compressor = forward_core_compressor
 
     def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
         if out_cache_loc.shape[0] != req_pool_indices.shape[0]:
             raise StateError(f"dsv4_tree: draft decode with topk={self.topk} ({out_cache_loc.shape[0]} rows for "
                              f"{req_pool_indices.shape[0]} requests) is not implemented")
         return super().init_forward_metadata_decode(max_seq_len, req_pool_indices, seq_lens, out_cache_loc)
-
-    def _refuse_tree_write(self, what: str) -> None:
-        if not isinstance(getattr(self, "forward_metadata", None), TreeDSV4Metadata):
-            return
-        raise StateError(f"dsv4_tree tree verify: {what} are not implemented in this version of the plug-in")
 
 
 class TreeDeepseekV4MultiStepBackend(_TreeMixin, dsv4.DeepseekV4MultiStepBackend):

@@ -14,6 +14,8 @@ import torch
 from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import BuildPageTablePositions
 from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 
+from ..errors import StateError
+from .scratch import TreeScratch
 from .tables import TreeVerifyTables, build_tree_verify_tables, tree_c128_page_indices
 
 
@@ -24,9 +26,17 @@ class TreeDSV4Metadata(dsv4.DSV4Metadata):
     tree: Optional[TreeVerifyTables] = None
 
 
-def tree_scratch_start(pool) -> dict:
-    """First scratch entry slot per ratio: past SGLang's committed C4 / C128 entry slots."""
-    return {4: int(pool.c4_logical_size), 128: int(pool.c128_size)}
+def tree_scratch(pool, window: int) -> TreeScratch:
+    """The pool's scratch entry slots (`scratch.ensure_scratch`, run when the tree backend is
+    built), checked to hold a verify window of `window` nodes per request."""
+    scratch = getattr(pool, "dsv4_tree_scratch", None)
+    if scratch is None:
+        raise StateError("dsv4_tree tree verify: the KV pool has no scratch entry slots "
+                         "(the tree backend grows it at construction)")
+    if window > scratch.per_request:
+        raise StateError(f"dsv4_tree tree verify: a window of {window} nodes per request, the pool's scratch "
+                         f"holds {scratch.per_request}")
+    return scratch
 
 
 def tree_core_attn_metadata(backend, tables: TreeVerifyTables, out_cache_loc: torch.Tensor,
@@ -56,11 +66,12 @@ def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next
                          retrieve_next_sibling: torch.Tensor) -> TreeDSV4Metadata:
     """The full metadata of one tree verify from SGLang's raw verify record and the tree."""
     pool = backend.token_to_kv_pool
+    scratch = tree_scratch(pool, int(retrieve_next_token.shape[1]))
     tables = build_tree_verify_tables(
         req_to_token=backend.req_to_token, full_to_swa_index_mapping=pool.full_to_swa_index_mapping,
         req_pool_indices=raw.req_pool_indices, seq_lens=raw.seq_lens, retrieve_next_token=retrieve_next_token,
         retrieve_next_sibling=retrieve_next_sibling, swa_window=dsv4.SWA_WINDOW,
-        scratch_start=tree_scratch_start(pool), scratch_per_request=backend.speculative_num_draft_tokens,
+        scratch_start=scratch.start, scratch_per_request=scratch.per_request,
         page_index_aligned_size=dsv4.PAGE_INDEX_ALIGNED_SIZE)
     core = tree_core_attn_metadata(backend, tables, raw.out_cache_loc, backend.MAX_SEQ_LEN_FOR_CAPTURE)
     indexer = backend.init_forward_metadata_indexer(core) if backend.has_c4 else None

@@ -9,6 +9,8 @@ from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from sglang.srt.speculative.eagle_utils import organize_draft_results
 from sglang.srt.speculative.spec_utils import select_top_k_tokens
 
+from dsv4_tree.sglang_plugin.scratch import TreeScratch
+
 PAGE = 256
 I32 = {"device": "cpu", "dtype": torch.int32}
 
@@ -88,6 +90,9 @@ class StandIn:
         pool.full_to_swa_index_mapping = mapping
         pool.c128_size = req_to_token.numel() // 128 + 8
         pool.c4_logical_size = pool.c128_size * 32
+        # scratch past every committed entry slot these layouts address (their slots stay below numel)
+        pool.dsv4_tree_scratch = TreeScratch({4: pool.c4_logical_size, 128: pool.c128_size}, num_draft_tokens,
+                                             req_to_token.shape[0])
 
 
 CORE_FIELDS = ("page_table", "raw_out_loc", "seq_lens_casual", "positions_casual", "swa_page_indices",
