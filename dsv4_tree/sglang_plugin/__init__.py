@@ -25,6 +25,10 @@ HOOKS = (
      "around_create_deepseek_v4_attn_backend"),
     ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_multistep_backend", "AROUND",
      "around_create_deepseek_v4_multistep_backend"),
+    ("sglang.srt.speculative.eagle_worker_common._finalize_accept_tree_path", "AROUND",
+     "around_finalize_accept_tree_path"),
+    ("sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.clear_unaccepted_c128_draft_states",
+     "AROUND", "around_clear_unaccepted_c128_draft_states"),
 )
 HOOK_TARGETS = tuple(target for target, _, _ in HOOKS)
 
@@ -49,4 +53,17 @@ def register() -> bool:
 
     for target, kind, name in HOOKS:
         HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    install_move_kv_cache()
     return True
+
+
+def install_move_kv_cache() -> None:
+    """SGLang 0.5.23's `DeepSeekV4TokenToKVPool` has no `move_kv_cache`, which EAGLE topk > 1
+    calls on the target pool (commit) and the draft pool (`duplicate_prefix_tail_to_draft_branches`).
+    The hook registry cannot add a missing attribute, so it is set here with a plain setattr
+    (`commit.move_kv_cache`)."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    from .commit import move_kv_cache
+
+    DeepSeekV4TokenToKVPool.move_kv_cache = move_kv_cache

@@ -7,7 +7,13 @@ SGLang 0.5.23 modules; loaded only inside SGLang processes.
   DeepSeek-V4 tree that `validate_tree_settings` accepts. Any other model, or any other
   failure, propagates unchanged.
 * Backend factories: AROUND hooks that return the tree-aware subclasses when topk > 1 and the
-  originals' result otherwise."""
+  originals' result otherwise.
+* Commit: an AROUND hook on `_finalize_accept_tree_path` runs the tree commit (`commit.py`)
+  around SGLang's own slot moves, as one transaction; one on the pool's
+  `clear_unaccepted_c128_draft_states` skips SGLang's cleanup (it clears ring rows by node
+  number) on pools the tree backend serves, whose commit clears the rejected rows itself. Both
+  act only on a pool the tree backend prepared (`pool.dsv4_tree_scratch`); any other pool gets
+  SGLang's code unchanged."""
 from __future__ import annotations
 
 import dataclasses
@@ -110,3 +116,33 @@ def around_create_deepseek_v4_multistep_backend(original, model_runner, topk, sp
     from .backend import TreeDeepseekV4MultiStepBackend
 
     return TreeDeepseekV4MultiStepBackend(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+
+
+def _tree_pool(pool) -> bool:
+    return getattr(pool, "dsv4_tree_scratch", None) is not None
+
+
+def around_finalize_accept_tree_path(original, batch, accept_index, accept_lens, predict, logits_output, bs, *,
+                                     token_to_kv_pool_allocator, num_draft_tokens):
+    def slot_moves():
+        return original(batch, accept_index, accept_lens, predict, logits_output, bs,
+                        token_to_kv_pool_allocator=token_to_kv_pool_allocator, num_draft_tokens=num_draft_tokens)
+
+    pool = token_to_kv_pool_allocator.get_kvcache()
+    if not _tree_pool(pool):
+        return slot_moves()
+    from .commit import c128_ring_size, plan_tree_commit, run_tree_commit
+
+    spec = batch.spec_info
+    plan = plan_tree_commit(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+                            retrieve_next_token=spec.retrieve_next_token,
+                            retrieve_next_sibling=spec.retrieve_next_sibling, out_cache_loc=batch.out_cache_loc,
+                            accept_index=accept_index, accept_lens=accept_lens, scratch=pool.dsv4_tree_scratch,
+                            c128_ring=c128_ring_size(pool))
+    return run_tree_commit(pool, plan, slot_moves)
+
+
+def around_clear_unaccepted_c128_draft_states(original, pool, *args, **kwargs):
+    if _tree_pool(pool):
+        return None  # commit.py clears the rejected rows after moving the accepted ones
+    return original(pool, *args, **kwargs)
