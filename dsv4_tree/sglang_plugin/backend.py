@@ -11,6 +11,9 @@ factory hooks when EAGLE topk > 1).
   its own path (`compressor.py`), with dsv4-tree's branch compressor; the ops come from
   `DSV4_TREE_SGLANG_OPS` ("triton", the default, or "torch"). The pool's C4 / C128 entry
   buffers are grown by the scratch slots at construction (`scratch.py`).
+* The C4 indexer (SGLang's) reads candidates through the page table: correct for rows whose
+  branch entries are all at home slots; a verify where some row's branch entry is in scratch is
+  refused with a StateError (per-branch indexer candidates are not implemented yet).
 * topk > 1 draft decode is refused with a StateError naming the step, never run with
   chain-addressed plans that would mix siblings' state."""
 from __future__ import annotations
@@ -127,6 +130,15 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
         return None
 
     forward_indexer_compressor = forward_core_compressor
+
+    def forward_c4_indexer(self, *args, **kwargs):
+        meta = getattr(self, "forward_metadata", None)
+        if isinstance(meta, TreeDSV4Metadata) and \
+                bool((meta.tree.c4_branch >= self.token_to_kv_pool.dsv4_tree_scratch.start[4]).any()):
+            raise StateError("dsv4_tree tree verify: C4 indexer candidates from scratch entries (a row whose path "
+                             "closed a C4 block at a node that is not the first at its depth) are not implemented: "
+                             "SGLang's indexer would read the page table's home entry, a sibling's")
+        return super().forward_c4_indexer(*args, **kwargs)
 
     def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
         if out_cache_loc.shape[0] != req_pool_indices.shape[0]:

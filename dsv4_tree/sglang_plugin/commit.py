@@ -119,10 +119,14 @@ def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     tgt, src = tgt[keep], src[keep]
     if tgt.numel() == 0:
         return
-    limit = int(pool.size) + int(pool.page_size)
+    limit = int(pool.full_to_swa_index_mapping.shape[0])
     if bool(((tgt < 0) | (tgt >= limit) | (src < 0) | (src >= limit)).any()):
-        raise StateError(f"dsv4_tree move_kv_cache: slots outside [0, {limit}): tgt {tgt.tolist()} src {src.tolist()}")
+        raise StateError(f"dsv4_tree move_kv_cache: full slots outside [0, {limit}): tgt {tgt.tolist()} "
+                         f"src {src.tolist()}")
     swa_t, swa_s = pool.translate_loc_from_full_to_swa(tgt), pool.translate_loc_from_full_to_swa(src)
+    if bool(((swa_t < 0) | (swa_s < 0)).any()):
+        raise StateError(f"dsv4_tree move_kv_cache: full slots without an SWA slot: tgt {tgt.tolist()} "
+                         f"src {src.tolist()}")
     log = getattr(pool, LOG_ATTR, None)
     own = log is None
     log = UndoLog() if own else log
