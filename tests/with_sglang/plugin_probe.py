@@ -58,6 +58,9 @@ def main() -> None:
 
     out = {"entry_points": sorted(f"{e.name}={e.value}" for e in md.entry_points(group="sglang.srt.plugins")),
            "applied": sorted(t for t in HOOK_TARGETS if t in HookRegistry._patched)}
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    out["move_kv_cache"] = getattr(DeepSeekV4TokenToKVPool, "move_kv_cache", None) is not None
     v4, llama = dsv4_dir(root), llama_dir(root)
     out["v4_topk4"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_cuda_graph=True)
     out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)

@@ -1,0 +1,204 @@
+"""The write side of tree verify on SGLang 0.5.23's own DeepSeekV4TokenToKVPool (built on the CPU):
+tree verify writes -> accept with SGLang's verify_tree_greedy -> commit, against a linear verify
+and commit of the accepted path by the same code. Compared bit for bit: every SWA record, C4 /
+C128 entry, C4 indexer key and compressor state row outside the positions past the new length
+(and the scratch slots); nothing outside the verify window changes. Trees come from SGLang's
+draft pipeline; contexts cross C4 and C128 blocks and pages."""
+import pytest
+import torch
+
+from dsv4_tree.attention.backend import get_backend
+from dsv4_tree.errors import StateError
+from dsv4_tree.sglang_plugin import commit as commit_mod
+from dsv4_tree.sglang_plugin import install_move_kv_cache
+from dsv4_tree.sglang_plugin.scratch import pool_layers
+from plugin_probe import dsv4_dir
+from sgl_cases import layout, sglang_tree
+from sgl_pool import published_context, snapshot
+from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, depth_of, differing, greedy_accept,
+                       verify_writes, window_mask)
+
+N_MAX = 10
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory):
+    with published_context(dsv4_dir(str(tmp_path_factory.mktemp("models"))), N_MAX):
+        install_move_kv_cache()
+        yield
+
+
+def random_targets(rn, rs, gen, last_child: bool):
+    """target_child [bs, N]: per node one of its children (the last one when last_child, so
+    siblings other than the first get accepted), or -1 now and then."""
+    from dsv4_tree.sglang_plugin.tables import parents_from_retrieve
+
+    parents = parents_from_retrieve(rn, rs)
+    bs, n = parents.shape
+    out = torch.full((bs, n), -1, dtype=torch.int64)
+    for b in range(bs):
+        for i in range(n):
+            kids = [j for j in range(n) if int(parents[b, j]) == i]
+            if kids and float(torch.rand(1, generator=gen)) < 0.85:
+                out[b, i] = kids[-1] if last_child else kids[int(torch.randint(len(kids), (1,), generator=gen))]
+    return out
+
+
+def one_round(case: Case, rpi, lens, topk, steps, n, gen, ops, last_child=False):
+    """One round in tree mode on case.tree_pool and per request in chain mode on case.chain_pool;
+    returns (accepted paths, before-round snapshot of the tree pool)."""
+    bs = len(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    _, rn, rs = sglang_tree(bs, topk, steps, n, seq_lens, gen)
+    inputs = NodeInputs.draw(bs * n, case.comps, gen)
+    before = snapshot(case.tree_pool)
+    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
+                               case.comps, ops)
+    accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, last_child), steps)
+    commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, accept_index, accept_lens)
+    paths = accepted_nodes(accept_index, accept_lens, n)
+    for b, path in enumerate(paths):
+        chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
+                    inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
+    return paths, before, inputs, rn, rs
+
+
+def check_round(case: Case, rpi, lens, paths, before, n, label):
+    tree, chain = snapshot(case.tree_pool), snapshot(case.chain_pool)
+    past = window_mask(case.tree_pool, case.req_to_token,
+                       [(int(r), p + len(path), p + n) for r, p, path in zip(rpi, lens, paths)])
+    assert differing(tree, chain, past) == {}, f"{label}: committed state differs from the chain run"
+    window = window_mask(case.tree_pool, case.req_to_token, [(int(r), p, p + n) for r, p in zip(rpi, lens)])
+    assert differing(tree, before, window) == {}, f"{label}: a write outside the verify window"
+
+
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_full_round_equals_the_chain_run_of_the_accepted_path(context, no_flashmla_schedule, ops):
+    gen = torch.Generator().manual_seed(11)
+    # C4 and C128 blocks close inside both windows (125 -> 128, 381 -> 384)
+    lens, topk, steps, n = [125, 381], 3, 3, 8
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([2, 1], dtype=torch.int32)  # row 3 is a request outside the batch
+    paths, before, inputs, rn, rs = one_round(case, rpi, lens, topk, steps, n, gen, get_backend(ops), last_child=True)
+    label = f"{ops=} {lens=} {paths=}"
+    assert any(a != d for path in paths for d, a in enumerate(path)), f"{label}: no sibling accepted"
+    check_round(case, rpi, lens, paths, before, n, label)
+    # non-vacuous: the committed SWA records are the accepted nodes' own records
+    swa = pool_layers(case.tree_pool)[0].swa
+    for b, path in enumerate(paths):
+        slots = case.req_to_token[int(rpi[b]), lens[b]:lens[b] + len(path)].to(torch.int64)
+        got = swa.read(case.tree_pool.translate_loc_from_full_to_swa(slots))
+        want = inputs.swa[torch.tensor([b * n + a for a in path])]
+        assert torch.equal(got, want), label
+    # scratch lies past every slot SGLang's page tables can name
+    scratch = case.tree_pool.dsv4_tree_scratch
+    top_token = int(case.req_to_token.max())
+    assert all(scratch.start[m] > top_token // m for m in (4, 128)), (scratch, top_token)
+
+
+def test_rounds_in_a_row_cross_c4_and_c128_blocks(context, no_flashmla_schedule):
+    gen = torch.Generator().manual_seed(23)
+    lens, n = [121, 251], 8  # SGLang's window (speculative_num_draft_tokens) is fixed for a server
+    case = Case(lens, gen, N_MAX)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    ops = get_backend("torch")
+    for r, (topk, steps) in enumerate([(2, 3), (4, 2), (3, 3), (2, 4), (4, 3), (3, 2)]):
+        paths, before, *_ = one_round(case, rpi, lens, topk, steps, n, gen, ops)
+        check_round(case, rpi, lens, paths, before, n, f"round {r} {topk=} {steps=} {lens=} {paths=}")
+        lens = [p + len(path) for p, path in zip(lens, paths)]
+    assert lens[0] > 128 and lens[1] > 256, lens  # the rounds crossed a C128 block in both requests
+
+
+def _tree_ready(case, gen, lens, rpi, n, topk=3, steps=3):
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    _, rn, rs = sglang_tree(len(lens), topk, steps, n, seq_lens, gen)
+    inputs = NodeInputs.draw(len(lens) * n, case.comps, gen)
+    ops = get_backend("torch")
+    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
+                               case.comps, ops)
+    accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, True), steps)
+    return seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs
+
+
+@pytest.mark.parametrize("fail_at", [2, 4, 7])  # 1-4: the hook's entry / C128 moves; 5-9: move_kv_cache's
+def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_schedule, monkeypatch, fail_at):
+    gen = torch.Generator().manual_seed(37)
+    lens, n = [126, 382], 8
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs = _tree_ready(case, gen, lens, rpi, n)
+    before = snapshot(case.tree_pool)
+    real, calls = commit_mod.move_records, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == fail_at:
+            real(*args)  # this move lands, then the device "fails"
+            raise RuntimeError("injected failure")
+        return real(*args)
+
+    monkeypatch.setattr(commit_mod, "move_records", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, accept_index, accept_lens)
+    assert len(calls) == fail_at
+    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
+    assert differing(snapshot(case.tree_pool), before, nothing) == {}, f"{fail_at=}"
+    assert case.tree_pool.dsv4_tree_commit_log is None
+    # the verify's rows are intact, so the same commit can run again and equals the chain run
+    monkeypatch.setattr(commit_mod, "move_records", real)
+    commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, accept_index, accept_lens)
+    paths = accepted_nodes(accept_index, accept_lens, n)
+    ops = get_backend("torch")
+    for b, path in enumerate(paths):
+        chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
+                    inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
+    check_round(case, rpi, lens, paths, before, n, f"retry after {fail_at=} {paths=}")
+
+
+def test_a_commit_that_is_not_a_path_is_refused_before_any_write(context, no_flashmla_schedule):
+    gen = torch.Generator().manual_seed(41)
+    lens, n = [60, 127], 6
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    seq_lens, rn, rs, out_loc, accept_index, accept_lens, _ = _tree_ready(case, gen, lens, rpi, n, 2, 3)
+    depth = depth_of(rn, rs)
+    deep = int((depth[0] == 2).nonzero()[0])  # a depth-2 node where depth 1 belongs
+    bad = accept_index.clone()
+    bad[0, 1] = deep
+    before = snapshot(case.tree_pool)
+    with pytest.raises(StateError, match="not a root-first path"):
+        commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, bad, torch.tensor([2, 1], dtype=torch.int32))
+    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
+    assert differing(snapshot(case.tree_pool), before, nothing) == {}
+
+
+def test_indexer_refuses_rows_whose_branch_entries_are_in_scratch(monkeypatch, no_flashmla_schedule):
+    """SGLang's C4 indexer reads candidates through the page table (home slots): the tree backend
+    lets it run when every row's branch C4 entries are homes (a chain), and refuses otherwise."""
+    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
+    from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
+    from sgl_cases import StandIn
+    from sgl_round import chain_links
+
+    gen = torch.Generator().manual_seed(3)
+    lens, n = [125], 8
+    req_to_token, mapping = layout(lens, n, gen)
+    sb = StandIn(req_to_token, mapping, n)
+    be = object.__new__(TreeDeepseekV4AttnBackend)
+    be.token_to_kv_pool = sb.token_to_kv_pool
+    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "forward_c4_indexer", lambda self, *a, **k: "sglang's")
+    seq_lens, rpi = torch.tensor(lens, dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    out_loc = req_to_token[1, lens[0]:lens[0] + n].to(torch.int64)
+    raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
+    be.forward_metadata = tree_verify_metadata(sb, raw, *chain_links(n))
+    assert be.forward_c4_indexer() == "sglang's"
+    # 0 -> {1, 2}; 1 -> {3}; 2 -> {4}; 3 -> {5, 6}; 4 -> {7}: node 4 is the second node at the closing
+    # depth (125 + 2 + 1 = 128), so its entry is in scratch, and rows 4 and 7 read it
+    nxt = torch.tensor([[1, 3, 4, 5, 7, -1, -1, -1]])
+    sib = torch.tensor([[-1, 2, -1, -1, -1, 6, -1, -1]])
+    be.forward_metadata = tree_verify_metadata(sb, raw, nxt, sib)
+    assert bool((be.forward_metadata.tree.c4_branch >= sb.token_to_kv_pool.dsv4_tree_scratch.start[4]).any())
+    with pytest.raises(StateError, match="C4 indexer candidates from scratch"):
+        be.forward_c4_indexer()
