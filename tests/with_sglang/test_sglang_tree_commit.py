@@ -202,3 +202,49 @@ def test_indexer_refuses_rows_whose_branch_entries_are_in_scratch(monkeypatch, n
     assert bool((be.forward_metadata.tree.c4_branch >= sb.token_to_kv_pool.dsv4_tree_scratch.start[4]).any())
     with pytest.raises(StateError, match="C4 indexer candidates from scratch"):
         be.forward_c4_indexer()
+
+
+def test_move_kv_cache_on_its_own(context, monkeypatch):
+    """DeepSeekV4TokenToKVPool.move_kv_cache (set by register()), as the draft pool's
+    duplicate_prefix_tail_to_draft_branches calls it: the SWA records and C4 state rows of the
+    source slots land on the target slots, nothing else changes; a failure part-way restores
+    what it wrote; slots outside the pool are refused."""
+    gen = torch.Generator().manual_seed(43)
+    lens = [40, 300]
+    case = Case(lens, gen, 8)
+    pool, r2t = case.tree_pool, case.req_to_token
+    src, tgt = r2t[1, 36:40].to(torch.int64), r2t[2, 296:300].to(torch.int64)
+    before = snapshot(pool)
+    pool.move_kv_cache(torch.cat([tgt, torch.zeros(2, dtype=torch.int64)]),
+                       torch.cat([src, torch.zeros(2, dtype=torch.int64)]))  # SGLang's zero padding
+    swa_s, swa_t = pool.translate_loc_from_full_to_swa(src), pool.translate_loc_from_full_to_swa(tgt)
+    for lb in pool_layers(pool):
+        assert torch.equal(lb.swa.read(swa_t), lb.swa.read(swa_s))
+        for sp in (lb.state, lb.index_state):
+            if sp is not None and sp.ratio == 4:
+                rows = sp.kv_score_buffer.kv_score
+                assert torch.equal(rows[sp.translate_from_swa_loc_to_state_loc(swa_t.clone())],
+                                   rows[sp.translate_from_swa_loc_to_state_loc(swa_s.clone())])
+    target_slots = window_mask(pool, r2t, [(2, 296, 300)])
+    for k in target_slots:  # only SWA records and C4 state rows: entries and C128 rows are the commit's
+        if not (k.startswith("swa.") or k in ("state.0", "index_state.0")):
+            target_slots[k][:] = False
+    assert differing(snapshot(pool), before, target_slots) == {}
+
+    moved = snapshot(pool)
+    real, calls = commit_mod.move_records, []
+
+    def failing(*args):
+        calls.append(1)
+        real(*args)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(commit_mod, "move_records", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.move_kv_cache(src, r2t[2, 300:304].to(torch.int64))
+    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in moved.items()}
+    assert differing(snapshot(pool), moved, nothing) == {}
+    monkeypatch.setattr(commit_mod, "move_records", real)
+    with pytest.raises(StateError, match="outside"):
+        pool.move_kv_cache(torch.tensor([case.mapping.shape[0]]), src[:1])
