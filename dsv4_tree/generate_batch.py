@@ -11,6 +11,7 @@ from .drafters.registry import resolve_drafter
 from .errors import InputError
 from .generate import GenerateResult, GenerateStats, check_room, check_stop_args, resolve_sampling, truncate
 from .progress import token_bar
+from .round_stats import end_round, note_round, timed_draft
 
 
 def _budgets(prompts, max_new_tokens) -> list:
@@ -51,7 +52,7 @@ def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, 
     live = list(range(len(reqs)))
     while live:
         batch = [reqs[i] for i in live]
-        trees = drafter.draft(engine, batch)
+        trees, draft_seconds = timed_draft(drafter, engine, batch)
         t0 = time.perf_counter()
         out = engine.verify(batch, trees)
         seconds = time.perf_counter() - t0
@@ -68,10 +69,12 @@ def _rounds(engine, reqs, budgets, drafter, temperature, top_p, eos, generator, 
             res.stats.rounds += 1
             res.stats.accept_lengths.append(len(emitted))
             res.stats.verify_seconds += seconds
+            note_round(res.stats, drafter, draft_seconds, seconds)
             bar.update(len(emitted))
             if not stop and len(res.tokens) < budgets[i]:
                 still.append(i)
         engine.commit(batch, kept, out)
+        end_round(drafter, batch)
         for i in live:
             if i not in still:
                 engine.release(reqs[i])
