@@ -133,7 +133,8 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
             "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
-          f"num_draft_tokens={spec.num_draft_tokens} draft_depth={spec.depth_mode} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
+          f"num_draft_tokens={spec.num_draft_tokens} draft_depth={spec.depth_mode} | prompt {prompt.numel()} tokens | "
+          f"drafter: {args.drafter} "
           f"({what[args.drafter]}) | accept={spec.accept}"
           + (f" temperature={temperature} top_p={args.top_p}" if temperature is not None else ""))
     print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'steps':>5} {'accepted':>8} {'rel_err':>10} "

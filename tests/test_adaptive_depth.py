@@ -218,7 +218,8 @@ def test_exact_stop_gives_the_full_depth_tree():
     eng = engine(model, shape)
     for seed in range(3):
         req = eng.prefill(torch.randint(3, 200, (30,), generator=torch.Generator().manual_seed(seed)))
-        adaptive = MtpDrafter(model, shape, depth="adaptive", clock=Clock())  # nothing measured: only the exact rule stops
+        # a fresh policy has measured nothing: only the exact rule can stop it
+        adaptive = MtpDrafter(model, shape, depth="adaptive", clock=Clock())
         fixed = MtpDrafter(model, shape, depth="fixed")
         got, full = adaptive.draft(eng, [req])[0], fixed.draft(eng, [req])[0]
         assert adaptive.last_round.stop == "exact" and adaptive.last_round.steps == 2, (seed, adaptive.last_round)

@@ -53,19 +53,17 @@ class DraftRecord:
 
 class MtpDrafter:
     def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False,
-                 depth: str | None = None, clock=time.perf_counter):
-        """depth: "adaptive" | "fixed" | None (adaptive for topk > 1, as SpecConfig.draft_depth);
-        clock: () -> seconds, the adaptive policy's timer."""
-        if depth is None:
-            depth = "adaptive" if shape.topk > 1 else "fixed"
+                 depth: str = "fixed", clock=time.perf_counter):
+        """depth: "fixed" | "adaptive" (drafter="mtp" by name takes SpecConfig.depth_mode, adaptive
+        for trees by default); clock: () -> seconds, the adaptive policy's timer."""
         if depth not in DRAFT_DEPTHS:
-            raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS} or None, got {depth!r}")
+            raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS}, got {depth!r}")
         self.model = model
         self.mtp = mtp if mtp is not None else load_mtp(model)
         self.shape = shape
         self.record = record
         self.depth = depth
-        self.policy = DepthPolicy(shape.topk, shape.num_steps, shape.num_draft_tokens, clock) if depth == "adaptive" else None
+        self.policy = None if depth == "fixed" else DepthPolicy(shape.topk, shape.num_steps, shape.num_draft_tokens, clock)
         self.last_round: DraftRound | None = None  # steps the last draft ran, and why it stopped
         self.caches: dict = {}  # request_id -> DraftCache
         self.records: dict = {}  # request_id -> DraftRecord of its last draft (record=True)
