@@ -13,7 +13,7 @@ line last. --quick finishes in about 30 s on 2 cores.
 
 Draft depth: the hand-tuned rows draft a fixed depth; the preset rows run SGLang's default tree
 (topk 4, N 8, at most 5 steps) with the adaptive depth policy and with fixed depth 5
-(--depth-sweep adds fixed depths 1, 3 and 4; depth 1 holds only 5 nodes). Every row reports
+(--depth-sweep adds fixed depths 1 to 4; depth 1 holds only 5 nodes). Every row reports
 the draft steps run per round (of those allowed) and the draft / verify milliseconds per round;
 generate_batch runs the preset tree, adaptive."""
 from __future__ import annotations
@@ -62,7 +62,7 @@ def single_cases(budgets, depth_sweep: bool = False) -> list:
     cases += [("preset tree, adaptive (max 5)", "mtp", k, s, n, "adaptive"),
               ("preset tree, fixed 5 steps", "mtp", k, s, n, "fixed")]
     if depth_sweep:  # depth 1 offers only topk candidates: 5 nodes
-        cases += [(f"preset tree, fixed {d} steps", "mtp", k, d, n if d > 1 else k + 1, "fixed") for d in (1, 3, 4)]
+        cases += [(f"preset tree, fixed {d} steps", "mtp", k, d, n if d > 1 else k + 1, "fixed") for d in (1, 2, 3, 4)]
     return cases + [("n-gram tree N=8 topk 4", "ngram", 4, 3, 8, "fixed")]
 
 
@@ -126,7 +126,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts ('' = none)")
-    ap.add_argument("--depth-sweep", action="store_true", help="also the preset tree at fixed depths 1, 3, 4")
+    ap.add_argument("--depth-sweep", action="store_true", help="also the preset tree at fixed depths 1 to 4")
     ap.add_argument("--budgets", default="4,8,16", help="verify rows per round N")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's choice)")
     ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per generate_batch prompt "
