@@ -171,7 +171,7 @@ def main(argv=None):
         return rec["tokens_per_s"]
 
     cases = single_cases(budgets, args.depth_sweep)
-    batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes))]
+    batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes, default=0))]
     jobs = [(hf_generate, (model, prompts, new))]
     jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes, depth))
              for _, kind, topk, steps, nodes, depth in cases]
