@@ -109,7 +109,7 @@ def test_more_runs_unmeasured_steps_and_weighs_measured_ones():
     pool, children = torch.tensor([[0.6, 0.3]]), torch.tensor([[0.9, 0.05]])
     req = SimpleNamespace(request_id=1, seq_len=10)
     assert pol.more(1, pool, pool, children) is None  # nothing measured: run it
-    pol.begin([req])
+    pol.begin()
     pol.step_begin()
     clock.t += 1.0  # a draft step of one request costs 1 s
     pol.step_end(1)

@@ -58,7 +58,7 @@ class _Pending:
     """A draft whose verify outcome is not known yet."""
 
     start: float
-    requests: list
+    request_ids: list  # ids, not requests: a drafter keeps no request alive
     seq_lens: list  # each request's seq_len when drafted
     mass: torch.Tensor  # [B, num_steps] selected score mass per depth
 
@@ -130,7 +130,7 @@ class DepthPolicy:
         return None if not tokens else self.round_seconds[b] / tokens
 
     # ------------------------------------------------------------------ measurements
-    def begin(self, requests) -> None:
+    def begin(self) -> None:
         self._pending = None  # a draft nobody reported on is not measured
         self._start = self.clock()
 
@@ -144,7 +144,7 @@ class DepthPolicy:
         """selected [B, M] scores of the chosen candidates, depths [B, M] (1-based)."""
         mass = torch.zeros(len(requests), self.num_steps, dtype=torch.float64)
         mass.scatter_add_(1, depths - 1, selected.double())
-        self._pending = _Pending(self._start, list(requests), [r.seq_len for r in requests], mass)
+        self._pending = _Pending(self._start, [r.request_id for r in requests], [r.seq_len for r in requests], mass)
 
     def end_round(self, requests) -> None:
         """After commit: learn from the requests of the last draft (others are ignored)."""
@@ -152,14 +152,15 @@ class DepthPolicy:
         if pend is None:
             return
         now = self.clock()
-        ids = {r.request_id for r in requests}
-        keep = [i for i, r in enumerate(pend.requests) if r.request_id in ids]
-        if not keep:
+        where = {rid: i for i, rid in enumerate(pend.request_ids)}
+        seen = [(where[r.request_id], r.seq_len) for r in requests if r.request_id in where]
+        if not seen:
             return
-        committed = [pend.requests[i].seq_len - pend.seq_lens[i] for i in keep]
+        keep = [i for i, _ in seen]
+        committed = [seq_len - pend.seq_lens[i] for i, seq_len in seen]
         if min(committed) < 1:
             return  # not a commit of this draft (the request did not advance)
-        b = len(pend.requests)
+        b = len(pend.request_ids)
         _decay(self.round_seconds, b, now - pend.start)
         _decay(self.round_tokens, b, sum(committed) * b / len(keep))
         for d in range(self.num_steps):

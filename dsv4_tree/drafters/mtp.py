@@ -112,7 +112,7 @@ class MtpDrafter:
         b, dev = len(requests), model.device
         policy = self.policy
         if policy is not None:
-            policy.begin(requests)
+            policy.begin()
         # step 0, with the draft-extend of the rows committed since the last draft in the same pass
         step = root_step(model, caches, requests)
         e = step.num_pending  # the pending rows need only their K=V
