@@ -22,28 +22,61 @@ from .round_stats import describe, end_round, note_round
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
 
 
-def _spec_args(p: argparse.ArgumentParser) -> None:
+def _int_at_least(low: int):
+    """argparse type: an int >= low (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _real_in(low: float, high: float, low_open: bool = False):
+    """argparse type: a float in [low, high] ((low, high] with low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {text}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint directory: HF layout (config.json + *.safetensors) or DeepSeek's release "
                         "format (FP8/FP4, sharded), loaded on CPU in fp32; default: the shipped "
                         "trained byte-level checkpoint (dsv4_tree/checkpoints/tiny-stdlib-bytes)")
-    p.add_argument("--spec", default=None, help="SpecConfig TOML preset (configs/*.toml); flags below override it")
-    p.add_argument("--topk", type=int, default=None, help="eagle_topk: children per draft node; >1 drafts trees")
-    p.add_argument("--num-steps", type=int, default=None, help="num_steps: maximum draft depth")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="num_draft_tokens: nodes per tree, root included (default num_steps+1 for chains)")
+    p.add_argument("--spec", default=None,
+                   help="SpecConfig TOML preset (configs/*.toml); each flag below replaces only its own field of it")
+    p.add_argument("--topk", type=_int_at_least(1), default=None,
+                   help="eagle_topk: children per draft node; >1 drafts trees")
+    p.add_argument("--num-steps", type=_int_at_least(1), default=None, help="num_steps: maximum draft depth")
+    p.add_argument("--num-draft-tokens", type=_int_at_least(1), default=None,
+                   help="num_draft_tokens: nodes per tree, root included. Default: a chain has num_steps+1; a "
+                        "tree keeps the --spec preset's count; a chain made a tree by --topk K gets "
+                        "min(2*num_steps + K, 1 + K + (num_steps-1)*K^2)")
     p.add_argument("--accept", choices=("greedy", "sampling"), default=None,
                    help="acceptance rule (SpecConfig.accept; default: the preset's, else greedy)")
     p.add_argument("--draft-depth", choices=DRAFT_DEPTHS, default=None,
                    help="draft_depth: adaptive (num_steps is a maximum; the MTP drafter stops when a step does not "
                         "pay) or fixed (every round drafts num_steps); default adaptive for trees, fixed for chains")
-    p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
-                   help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode), used by --tensors-out")
-    p.add_argument("--temperature", type=float, default=None,
+    if mask_mode:
+        p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
+                       help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode) that --tensors-out saves")
+    p.add_argument("--temperature", type=_real_in(0.0, float("inf")), default=None,
                    help="sampling temperature (accept=sampling; default 1.0); greedy refuses values other than 0")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling")
+    p.add_argument("--top-p", type=_real_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus for sampling, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompt, the drafter and sampling")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_int_at_least(0), default=1,
                    help="torch CPU threads (default 1: on the shipped tiny models intra-op threads cost more than "
                         "they save, and far more when other processes share the cores); 0 = torch's choice")
 
@@ -57,22 +90,27 @@ def _spec_given(args) -> bool:
     return any(v is not None for v in (args.spec, args.topk, args.num_steps, args.num_draft_tokens))
 
 
+def default_tree_nodes(topk: int, steps: int) -> int:
+    """Nodes of a tree that --topk makes out of a chain: 2 per step plus the root's topk, or all
+    that topk children per node over `steps` levels can offer (as --help states)."""
+    return min(2 * steps + topk, 1 + topk + (steps - 1) * topk**2)
+
+
 def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
+    """The preset (or base) with each given flag replacing its own field (see --help)."""
     spec = SpecConfig.from_file(args.spec) if args.spec else (base or SpecConfig())
     changes = {}
     if args.topk is not None:
         changes["eagle_topk"] = args.topk
     if args.num_steps is not None:
         changes["num_steps"] = args.num_steps
-    for flag, name in (("accept", "accept"), ("mask_mode", "mask_mode"), ("draft_depth", "draft_depth")):
-        if getattr(args, flag) is not None:
-            changes[name] = getattr(args, flag)
+    for flag in ("accept", "mask_mode", "draft_depth"):
+        if getattr(args, flag, None) is not None:
+            changes[flag] = getattr(args, flag)
     if args.num_draft_tokens is not None:
         changes["num_draft_tokens"] = args.num_draft_tokens
-    elif "eagle_topk" in changes or "num_steps" in changes:
-        topk = changes.get("eagle_topk", spec.eagle_topk)
-        steps = changes.get("num_steps", spec.num_steps)
-        changes["num_draft_tokens"] = steps + 1 if topk == 1 else min(2 * steps + topk, 1 + topk + (steps - 1) * topk**2)
+    elif spec.eagle_topk == 1 and changes.get("eagle_topk", 1) > 1:
+        changes["num_draft_tokens"] = default_tree_nodes(changes["eagle_topk"], changes.get("num_steps", spec.num_steps))
     return spec.replace(**changes) if changes else spec
 
 
@@ -232,45 +270,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="verify rounds as a chain and as a tree on the same prompt, every round checked "
                                     "against per-path HF runs; --topk/--num-steps/--num-draft-tokens/--spec run one mode")
-    _spec_args(d)
-    d.add_argument("--prompt-len", type=int, default=150,
+    _spec_args(d, mask_mode=True)
+    d.add_argument("--prompt-len", type=_int_at_least(2), default=150,
                    help="prompt length: held-out stdlib bytes for byte-level checkpoints, random ids otherwise")
     d.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
     d.add_argument("--drafter", choices=DRAFTER_NAMES, default="mtp",
                    help="mtp: the checkpoint's MTP block; ngram: prompt lookup; planted: synthetic test drafter")
-    d.add_argument("--rounds", type=int, default=8, help="verify rounds to run")
-    d.add_argument("--corrupt", type=float, default=0.25,
+    d.add_argument("--rounds", type=_int_at_least(1), default=8, help="verify rounds to run")
+    d.add_argument("--corrupt", type=_real_in(0.0, 1.0), default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
     d.add_argument("--tensors-out", default=None,
                    help="save each round's SGLang-compatible tree tensors (mask in --mask-mode layout) to this .pt file")
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
-    _spec_args(g)
+    _spec_args(g, mask_mode=False)
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
-    g.add_argument("--prompt-len", type=int, default=64, help="length of the default prompt")
+    g.add_argument("--prompt-len", type=_int_at_least(2), default=64, help="length of the default prompt")
     g.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="token budget")
-    g.add_argument("--eos", type=int, default=None, help="stop after this token id")
-    g.add_argument("--corrupt", type=float, default=0.25, help="planted drafter: corruption probability")
+    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=64, help="token budget")
+    g.add_argument("--eos", type=_int_at_least(0), default=None, help="stop after this token id")
+    g.add_argument("--corrupt", type=_real_in(0.0, 1.0), default=0.25, help="planted drafter: corruption probability")
     g.set_defaults(func=cmd_generate)
     t = sub.add_parser("train-tiny", help="train the small byte-level DeepSeek-V4 + MTP on the stdlib sources (CPU)")
     t.add_argument("--out", required=True, help="output checkpoint directory (HF layout + mtp.* + training.json)")
-    t.add_argument("--steps", type=int, default=2000, help="optimizer steps")
-    t.add_argument("--batch", type=int, default=8, help="sequences per step")
-    t.add_argument("--seq-len", type=int, default=384, help="bytes per sequence (several times 128)")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine decay)")
+    t.add_argument("--steps", type=_int_at_least(1), default=2000, help="optimizer steps")
+    t.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step")
+    t.add_argument("--seq-len", type=_int_at_least(1), default=384, help="bytes per sequence (several times 128)")
+    t.add_argument("--lr", type=_real_in(0.0, float("inf"), low_open=True), default=3e-3, help="peak learning rate (warmup, cosine decay)")
     t.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
-    t.add_argument("--eval-every", type=int, default=250, help="validation interval (steps)")
-    t.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (smoke runs)")
+    t.add_argument("--eval-every", type=_int_at_least(1), default=250, help="validation interval (steps)")
+    t.add_argument("--max-files", type=_int_at_least(1), default=None, help="use only the first N stdlib files (smoke runs)")
     t.set_defaults(func=cmd_train_tiny)
     return ap
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if getattr(args, "mask_mode", None) is not None and not args.tensors_out:
+        ap.error("--mask-mode sets the layout of the tensors --tensors-out saves: give --tensors-out FILE.pt too")
     try:
         return args.func(args)
     except Dsv4TreeError as exc:

@@ -104,6 +104,16 @@ class SpecConfig:
         return "adaptive" if self.eagle_topk > 1 else "fixed"
 
     def replace(self, **changes) -> "SpecConfig":
-        if "num_steps" in changes and "num_draft_tokens" not in changes and self.eagle_topk == 1:
+        """A copy with `changes`, checked as SpecConfig(**fields) is. A chain's node count is
+        derived (num_steps + 1), so when num_steps or eagle_topk changes and the copy or the
+        original is a chain, the count is derived again as SpecConfig(**fields) would: a chain
+        turned into a tree then has none until given (the engine asks for it, as for
+        SpecConfig(eagle_topk=K)) instead of silently keeping the chain's."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"SpecConfig has no field(s) {unknown}")
+        chain_then, chain_now = self.eagle_topk == 1, changes.get("eagle_topk", self.eagle_topk) == 1
+        if ("num_steps" in changes or "eagle_topk" in changes) and "num_draft_tokens" not in changes \
+                and (chain_then or chain_now):
             changes["num_draft_tokens"] = None
         return dataclasses.replace(self, **changes)

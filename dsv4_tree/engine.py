@@ -23,6 +23,8 @@ from .verify.sampling import sample_path, target_probs
 
 __all__ = ["Engine", "Request", "VerifyOutput"]
 
+_engine_ids = itertools.count(1)
+
 
 def packed_max_depth(trees, sizes, starts) -> list:
     """Max depth of every tree, from one pointer-jumping pass over all trees packed together."""
@@ -39,6 +41,17 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_hidden_rows(hidden_rows) -> int:
+    if not _is_int(hidden_rows) or hidden_rows < 0:
+        raise InputError(f"hidden_rows must be an int >= 0 (or None for sliding_window + 1), got {hidden_rows!r}")
+    return hidden_rows
+
+
+def _last_rows(t: torch.Tensor, keep: int) -> torch.Tensor:
+    """The last `keep` rows of t (none for keep = 0, where t[-0:] would be all of them)."""
+    return t[t.shape[0] - min(keep, t.shape[0]):]
+
+
 class Engine:
     """Tree (or chain) speculative verify for one DeepSeek-V4 model."""
 
@@ -53,6 +66,8 @@ class Engine:
         self.runtime = ServingRuntime(self.model, self.spec, self.limits)
         self._graphs = None  # GraphCache, created on the first bucketed verify on CUDA
         self._verify_ids = itertools.count(1)
+        self.engine_id = next(_engine_ids)  # stamped on every Request this engine makes
+        self._row_owner: dict = {}  # page-table row -> weakref to the Request adopted on it
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
         self.named_drafters: dict = {}  # drafter name -> drafter built for this engine (drafters/registry.py)
         self._drafters = weakref.WeakSet()  # drafters told about Engine.release
@@ -63,6 +78,15 @@ class Engine:
         self._drafters.add(drafter)
 
     # ---------------------------------------------------------------- validation
+    def _check_own(self, requests) -> None:
+        """StateError for a released request or one another Engine made (its row indexes that
+        engine's page tables, not ours)."""
+        check_live(requests)
+        for b, req in enumerate(requests):
+            if req.engine_id != self.engine_id:
+                raise StateError(f"requests[{b}] (request {req.request_id}) belongs to another Engine: its row and "
+                                 "committed state live in that engine's pools; use that engine")
+
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         v = self.model.vocab_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
@@ -109,7 +133,7 @@ class Engine:
         for b, req in enumerate(requests):
             if not isinstance(req, Request):
                 raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
-            check_live([req])
+        self._check_own(requests)
 
     def _check_batch(self, requests, trees, enforce_limits: bool = True) -> None:
         if not isinstance(requests, (list, tuple)) or not isinstance(trees, (list, tuple)):
@@ -153,7 +177,7 @@ class Engine:
         request is left behind."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError(f"prompts must be a non-empty list of prompts, got {type(prompts).__name__}")
-        keep = self.model.window + 1 if hidden_rows is None else hidden_rows
+        keep = self.model.window + 1 if hidden_rows is None else _check_hidden_rows(hidden_rows)
         ids = [self._as_prompt(p) for p in prompts]
         rt, dev, chunk = self.runtime, self.model.device, self.spec.prefill_chunk
         reqs = []
@@ -173,7 +197,7 @@ class Engine:
                     req, n = reqs[i], part.numel()
                     req.seq_len += n
                     req.tokens = torch.cat([req.tokens, part])
-                    hidden[i] = [torch.cat(hidden[i] + [run.hidden[o : o + n]])[-keep:]]
+                    hidden[i] = [_last_rows(torch.cat(hidden[i] + [run.hidden[o : o + n]]), keep)]
                     req._add_ties(run.topk_ties[o : o + n].sum())
         except BaseException:
             for req in reqs:
@@ -185,21 +209,40 @@ class Engine:
 
     def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
         """A Request owning page-table row `row` (slots return to the pools when it is released
-        or garbage-collected)."""
-        req = Request(tokens, root_token, row, seq_len)
+        or garbage-collected). `row` must come from `engine.runtime.admit()` and not be held by
+        another live request."""
+        pages = self.runtime.pages
+        if not _is_int(row) or not 0 <= row < pages.max_requests:
+            raise InputError(f"row must be an int in [0, {pages.max_requests}) (SpecConfig.max_requests), got {row!r}")
+        if not pages.is_admitted(row):
+            raise StateError(f"row {row} was not admitted: take one from engine.runtime.admit()")
+        owner = self._row_owner.get(row)
+        owner = owner() if owner is not None else None
+        if owner is not None and not owner.released:
+            raise StateError(f"row {row} is held by live request {owner.request_id}; release it first")
+        if not _is_int(seq_len) or seq_len < 0:
+            raise InputError(f"seq_len must be an int >= 0, got {seq_len!r}")
+        if not _is_int(root_token) or not 0 <= root_token < self.model.vocab_size:
+            raise InputError(f"root_token must be a token id in [0, {self.model.vocab_size}), got {root_token!r}")
+        req = Request(tokens, root_token, row, seq_len, engine_id=self.engine_id)
         req.finalizer = weakref.finalize(req, self.runtime.release_row, row)
+        self._row_owner[row] = weakref.ref(req)
         return req
 
     def plan(self, requests, trees) -> VerifyPlan:
         """Host half of verify: validate, map draft slots, build the batch's tables."""
         self._check_batch(requests, trees)
-        check_live(requests)
         return self.runtime.plan([r.row for r in requests], [r.seq_len for r in requests], trees)
 
     def run_plan(self, plan: VerifyPlan, requests) -> VerifyOutput:
         """Device half of verify: one forward over all rows (no host synchronisation inside)."""
         if tuple(r.row for r in requests) != plan.rows or tuple(r.seq_len for r in requests) != plan.seq_lens:
             raise StateError("the plan was built for other requests or an older committed state; plan again")
+        self._check_own(requests)
+        # the forward overwrites these requests' draft slots: from here until it returns, no
+        # earlier verify output of theirs may commit (a failure half-way leaves them refused)
+        for r in requests:
+            r.scratch_owner = 0
         run = self._forward(plan)
         vid = next(self._verify_ids)
         for r in requests:
@@ -298,7 +341,8 @@ class Engine:
             raise StateError("a request was committed since this verify ran; verify again")
         for b, r in enumerate(requests):
             if r.scratch_owner != out.verify_id:
-                raise StateError(f"requests[{b}] was verified again since this output; use the newer one")
+                raise StateError(f"requests[{b}]'s draft rows no longer hold this output's (verified again since, "
+                                 "or a verify or commit failed part-way); use the newer output or verify again")
         for b, (tree, planned) in enumerate(zip(trees, out.plan.trees)):
             if tree is not planned and not (
                 torch.equal(tree.tokens, planned.tokens) and torch.equal(tree.parents, planned.parents)
@@ -319,7 +363,7 @@ class Engine:
                              f"{type(accs).__name__}")
         if len(requests) != len(accs):
             raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
-        check_live(requests)
+        self._check_own(requests)
         if tuple(r.request_id for r in requests) != out.request_ids:
             raise InputError("requests differ from those of the verify call that produced the acceptances")
         if tuple(r.seq_len for r in requests) != out.seq_lens:
@@ -329,7 +373,8 @@ class Engine:
             if not isinstance(acc, Acceptance) or acc.verify_id != out.verify_id or acc.request_id != req.request_id:
                 raise StateError(f"accs[{b}] does not belong to this verify output and request")
             if req.scratch_owner != out.verify_id:
-                raise StateError(f"requests[{b}] was verified again since this output; its draft rows are gone")
+                raise StateError(f"requests[{b}]'s draft rows no longer hold this output's (verified again since, "
+                                 "or a verify or commit failed part-way); verify again")
             if not isinstance(acc.path, (list, tuple)) or not all(_is_int(i) for i in acc.path):
                 raise InputError(f"accs[{b}].path must be a tuple of int node ids, got {acc.path!r}")
             if not _is_int(acc.bonus):
@@ -352,8 +397,16 @@ class Engine:
             paths.append(path)
             staged.append((req, tree.tokens[path], acc.bonus, path.numel(), out.run.hidden[rows][-(self.model.window + 1):],
                            out.run.topk_ties[rows].sum()))
-        check_live(requests)
-        self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths)
+        def spend() -> None:
+            # the moves overwrite draft slots (a move's destination can be another's source): from
+            # the first copy on, a failure must leave `out` refused, as a retry would read
+            # moved-over rows; committed positions < P are never written, so they hold
+            for req in requests:
+                req.scratch_owner = 0
+            if self._last is out:
+                self._last = None
+
+        self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths, spend)
         for req, toks, bonus, n, hidden, ties in staged:
             req._add_ties(ties)
             req.seq_len += n
@@ -367,8 +420,10 @@ class Engine:
         here and in every registered drafter. A released request cannot be used again."""
         if not isinstance(req, Request):
             raise InputError(f"release needs a dsv4_tree.Request, got a {type(req).__name__}")
-        check_live([req])
+        self._check_own([req])
         req.released = True
+        if self._last is not None and req.request_id in self._last.request_ids:
+            self._last = None
         req.new_hidden = None
         req.finalizer()  # runs release_row once, and never again at garbage collection
         for drafter in list(self._drafters):
@@ -376,5 +431,5 @@ class Engine:
 
     def state_summary(self, req: Request) -> list:
         """The request's committed state per layer in Hugging Face cache-field names (host copies)."""
-        check_live([req])
+        self._check_own([req])
         return self.runtime.committed_view(req.row, req.seq_len)

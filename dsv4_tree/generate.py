@@ -20,6 +20,7 @@ class GenerateStats:
     accept_lengths: list = field(default_factory=list)  # tokens emitted per verify (accepted + bonus)
     verify_seconds: float = 0.0  # wall time inside engine.verify
     rounds: int = 0
+    preemptions: int = 0  # generate_batch: times the request was preempted for lack of pool pages
     # per round (round_stats.py): draft call and engine.verify wall time, draft steps run
     round_draft_seconds: list = field(default_factory=list)
     round_verify_seconds: list = field(default_factory=list)
@@ -40,6 +41,14 @@ class GenerateStats:
 class GenerateResult:
     tokens: list  # new tokens only
     stats: GenerateStats
+    # why it ended: "length" (the budget), "eos", or "out_of_pages" (generate_batch: the pools
+    # could not hold this request's context even alone; `tokens` holds what it generated)
+    stop_reason: str = "length"
+
+
+def eos_set(eos) -> set:
+    """eos_token_id (None, an int or several) as a set."""
+    return set(eos) if isinstance(eos, (list, tuple, set)) else ({eos} if eos is not None else set())
 
 
 def truncate(acc: Acceptance, emitted: list, budget: int, eos) -> tuple[Acceptance, list, bool]:
@@ -47,11 +56,11 @@ def truncate(acc: Acceptance, emitted: list, budget: int, eos) -> tuple[Acceptan
 
     Keeping k emitted tokens commits path[:k] (rows of the first k nodes) with emitted[k-1]
     as the next root, exactly the state k serial decode steps would leave."""
-    eos_set = set(eos) if isinstance(eos, (list, tuple, set)) else ({eos} if eos is not None else set())
+    stops = eos_set(eos)
     k = min(len(emitted), budget)
     stop = k < len(emitted)
     for j, tok in enumerate(emitted[:k]):
-        if tok in eos_set:
+        if tok in stops:
             k, stop = j + 1, True
             break
     if k == len(emitted):
@@ -96,17 +105,20 @@ def resolve_sampling(accept: str, temperature, top_p) -> float | None:
     return 1.0 if temperature is None else temperature
 
 
-def _check_args(max_new_tokens, eos_token_id, generator) -> None:
+def _check_args(max_new_tokens, eos_token_id, generator, vocab_size: int) -> None:
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    check_stop_args(eos_token_id, generator)
+    check_stop_args(eos_token_id, generator, vocab_size)
 
 
-def check_stop_args(eos_token_id, generator) -> None:
+def check_stop_args(eos_token_id, generator, vocab_size: int) -> None:
     """eos_token_id and generator of generate and generate_batch."""
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
     if eos_token_id is not None and not all(_is_int(t) for t in eos):
         raise InputError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    if eos_token_id is not None and not all(0 <= t < vocab_size for t in eos):
+        raise InputError(f"eos_token_id {eos_token_id!r} lies outside the vocabulary [0, {vocab_size}): "
+                         "generation could never stop on it")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise InputError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
@@ -114,30 +126,40 @@ def check_stop_args(eos_token_id, generator) -> None:
 def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
              eos_token_id=None, generator=None, progress=None) -> GenerateResult:
     """Greedy or sampled per engine.spec.accept (see resolve_sampling for temperature/top_p)."""
-    _check_args(max_new_tokens, eos_token_id, generator)
+    _check_args(max_new_tokens, eos_token_id, generator, engine.model.vocab_size)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
-    req = engine.prefill(prompt_ids)
+    ids = engine._as_prompt(prompt_ids)
+    check_room(engine, ids.numel() - 1, max_new_tokens)
+    req = engine.prefill(ids)
     try:
-        check_room(engine, req, max_new_tokens)
         with token_bar(max_new_tokens, progress, "generate") as bar:
             return _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_id, generator, bar)
     finally:
         engine.release(req)
 
 
-def check_room(engine, req, max_new_tokens: int) -> None:
-    room = engine.limits.max_positions - 1 - req.seq_len - engine.spec.num_steps
+def check_room(engine, seq_len: int, max_new_tokens: int, what: str = "max_new_tokens") -> None:
+    """The k-th new token sits at position seq_len + k, which must be < max_position_embeddings
+    (draft trees are trimmed to what can still be emitted: fit_tree)."""
+    room = engine.limits.max_positions - 1 - seq_len
     if max_new_tokens > room:
-        raise InputError(f"max_new_tokens={max_new_tokens} exceeds the {room} positions left (after room for a num_steps-deep draft) before "
-                         f"max_position_embeddings={engine.limits.max_positions}")
+        raise InputError(f"{what}={max_new_tokens} exceeds the {room} positions left after a prompt of "
+                         f"{seq_len + 1} tokens: max_position_embeddings={engine.limits.max_positions}")
+
+
+def fit_tree(tree, budget: int):
+    """The drafted tree without nodes that can never be emitted: a path of depth d emits d + 1
+    tokens, so with `budget` tokens left nodes deeper than budget - 1 only waste rows (and near
+    max_position_embeddings they would sit past it)."""
+    return tree.up_to_depth(budget - 1)
 
 
 def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_id, generator, bar) -> GenerateResult:
     stats, new = GenerateStats(), []
     while len(new) < max_new_tokens:
         trees, draft_seconds = timed_draft(drafter, engine, [req])
-        tree = trees[0]
+        tree = fit_tree(trees[0], max_new_tokens - len(new))
         t0 = time.perf_counter()
         out = engine.verify([req], [tree])
         verify_seconds = time.perf_counter() - t0
@@ -156,4 +178,4 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
         bar.update(len(emitted))
         if stop:
             break
-    return GenerateResult(new, stats)
+    return GenerateResult(new, stats, "eos" if new[-1] in eos_set(eos_token_id) else "length")

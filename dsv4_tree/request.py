@@ -30,6 +30,7 @@ class Request:
     root_token: int
     row: int
     seq_len: int = 0
+    engine_id: int = 0  # the Engine that made it (its row indexes that engine's page tables)
     request_id: int = field(default_factory=lambda: next(_ids))
     # target residual streams (before hc_head) of the last rows the latest prefill/commit added
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:

@@ -5,8 +5,8 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   pool_entries           <-> ref_pool_entries           (kernels/compressor.py; reference in reference/ops.py)
   sparse_decode          <-> ref_sparse_decode          (kernels/sparse_decode.py; reference in reference/sparse_decode.py)
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
-The top-k selection after the indexer scores is torch in both backends (reference/ops.py
-select_topk_table), so both share one tie rule.
+The top-k selection after the indexer scores is torch in both backends (attention/torch_ops.py
+select_topk_table, tested against reference/ops.py ref_select_topk), so both share one tie rule.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
 Importing this package imports nothing else: the kernel modules (and Triton) load on first

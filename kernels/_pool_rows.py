@@ -1,7 +1,7 @@
 """Reading rows of a paged KV pool inside a kernel: float rows, or FP8 records dequantised in-kernel.
 
 A pool is described to the kernels by `PoolFormat` (built by the launcher from the pool's public
-attributes: `storage`, `page_size`, `head_dim`, `kv_dtype`, `layout`); the kernels never see the
+attributes: `storage`, `page_size`, `head_dim`, `kv_dtype`, `record`); the kernels never see the
 pool object. Formats (constexpr `FMT`):
   0  float rows: storage [num_slots, head_dim] fp32 / bf16 / fp16 ("auto", "bfloat16");
   1  KV record:  per page all data records (nope e4m3 bytes, then rope bf16 little-endian), then all
@@ -49,7 +49,7 @@ def pool_format(name: str, pool) -> PoolFormat:
         if not hasattr(pool, attr):
             raise InputError(f"{name} must be a KVPool (missing attribute {attr!r}), got {type(pool).__name__}")
     storage, d = pool.storage, pool.head_dim
-    layout = getattr(pool, "layout", None)
+    layout = getattr(pool, "record", None)
     if pool.kv_dtype != "fp8_e4m3":
         if storage.dim() != 2 or storage.shape[1] != d or storage.dtype not in FLOATS:
             raise InputError(f"{name}.storage must be float [num_slots, {d}], got {storage.dtype} {tuple(storage.shape)}")
@@ -61,16 +61,16 @@ def pool_format(name: str, pool) -> PoolFormat:
     ps = pool.page_size
     if hasattr(layout, "n_tiles"):  # DeepSeek-V4 KV record
         if layout.scale_bytes < layout.n_tiles or layout.data_bytes != layout.nope_dim + 2 * (d - layout.nope_dim):
-            raise InputError(f"{name}.layout is not a V4 KV record: {layout}")
+            raise InputError(f"{name}.record is not a V4 KV record: {layout}")
         fmt = PoolFormat(storage, KV_RECORD, d, ps, layout.page_bytes(ps), layout.data_bytes, layout.scale_bytes,
                          layout.nope_dim, layout.tile)
     elif hasattr(layout, "block"):  # indexer-key record: e4m3 + one float32 scale per block
         if layout.data_bytes != d or layout.scale_bytes != 4 * -(-d // layout.block):
-            raise InputError(f"{name}.layout is not an indexer-key record of width {d}: {layout}")
+            raise InputError(f"{name}.record is not an indexer-key record of width {d}: {layout}")
         fmt = PoolFormat(storage, INDEX_KEY_RECORD, d, ps, layout.page_bytes(ps), layout.data_bytes,
                          layout.scale_bytes, d, layout.block)
     else:
-        raise InputError(f"{name}.layout {type(layout).__name__} is neither a KV record nor an indexer-key record")
+        raise InputError(f"{name}.record {type(layout).__name__} is neither a KV record nor an indexer-key record")
     if storage.dtype != torch.uint8 or storage.dim() != 2 or storage.shape[1] != fmt.page_bytes:
         raise InputError(f"{name}.storage must be uint8 [num_pages, {fmt.page_bytes}], "
                          f"got {storage.dtype} {tuple(storage.shape)}")

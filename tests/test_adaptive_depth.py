@@ -36,9 +36,9 @@ class Clock:
 
 
 def priced(monkeypatch, engine, clock, step, verify):
-    """Every draft step s >= 1 (a run_rows pass over `rows` frontier rows) costs step(rows) fake
+    """Every draft step s >= 1 (a draft_rows pass over `rows` frontier rows) costs step(rows) fake
     seconds and every verify of b requests verify(b)."""
-    real_rows, real_verify = mtp_module.run_rows, engine.verify
+    real_rows, real_verify = mtp_module.draft_rows, engine.verify
 
     def priced_rows(model, mtp, ids, *args, **kwargs):
         clock.t += step(ids.shape[0])
@@ -48,7 +48,7 @@ def priced(monkeypatch, engine, clock, step, verify):
         clock.t += verify(len(reqs))
         return real_verify(reqs, trees, *args, **kwargs)
 
-    monkeypatch.setattr(mtp_module, "run_rows", priced_rows)
+    monkeypatch.setattr(mtp_module, "draft_rows", priced_rows)
     monkeypatch.setattr(engine, "verify", priced_verify)
 
 
@@ -173,7 +173,7 @@ def oracle_head(monkeypatch, drafter, full, margin: float = 8.0) -> None:
     """Confident and right drafts: every draft row's logits become `margin` on the greedy
     continuation at its position (full: prompt ++ greedy output), 0 elsewhere (p ~ 0.92)."""
     current = []
-    real_expand, real_head, real_rows = drafter.expand, mtp_module.head_logits, mtp_module.run_rows
+    real_expand, real_head, real_rows = drafter.expand, mtp_module.head_logits, mtp_module.draft_rows
 
     def peaked(positions, logits):
         out = torch.zeros_like(logits)
@@ -193,7 +193,7 @@ def oracle_head(monkeypatch, drafter, full, margin: float = 8.0) -> None:
 
     monkeypatch.setattr(drafter, "expand", expand)
     monkeypatch.setattr(mtp_module, "head_logits", head)
-    monkeypatch.setattr(mtp_module, "run_rows", rows)
+    monkeypatch.setattr(mtp_module, "draft_rows", rows)
 
 
 def test_free_steps_and_confident_drafts_run_every_step(trained, monkeypatch):

@@ -141,3 +141,50 @@ def test_per_path_logits_checks_token_ids():
         per_path_logits(model, [1.5], tree)
     with pytest.raises(dt.InputError, match="tree must be a dsv4_tree.DraftTree"):
         per_path_logits(model, [1, 2], [3, 4])
+
+
+@pytest.mark.parametrize("eos", [512, -1, [3, 10**6]])
+def test_eos_outside_the_vocabulary_is_refused(setup, eos):
+    _, eng, _ = setup
+    with pytest.raises(dt.InputError, match="outside the vocabulary"):
+        eng.generate(prompt(8, 2), 4, eos_token_id=eos, progress=False)
+    with pytest.raises(dt.InputError, match="outside the vocabulary"):
+        eng.generate_batch([prompt(8, 2)], 4, eos_token_id=eos, progress=False)
+    assert eng.runtime.pages.free_rows == 15  # only the fixture's request holds a row
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(device="gpu0"), "device 'gpu0'"), (dict(device=3.5), "device must be"),
+    (dict(dtype=torch.int64), "floating torch.dtype"), (dict(dtype="bfloat16"), "floating torch.dtype"),
+])
+def test_load_model_arguments(kwargs, match):
+    with pytest.raises(dt.InputError, match=match):
+        dt.load_model(dt.tiny_checkpoint(), **kwargs)
+    with pytest.raises(dt.InputError, match=match):
+        dt.load_model(small_model(), **kwargs)  # a built model is checked the same way
+
+
+@pytest.mark.parametrize("name", ["ngram", "planted"])
+def test_model_free_drafters_refuse_a_released_request(setup, name):
+    from dsv4_tree.drafters.registry import resolve_drafter
+
+    _, eng, _ = setup
+    req = eng.prefill(prompt(10, 4))
+    drafter = resolve_drafter(eng, name)
+    assert drafter.draft(eng, [req])[0].tokens[0] == req.root_token
+    eng.release(req)
+    with pytest.raises(dt.StateError, match="released"):
+        drafter.draft(eng, [req])
+
+
+def test_replace_turning_a_chain_into_a_tree_needs_a_node_count():
+    model = small_model()
+    for spec in (dt.SpecConfig(eagle_topk=4), dt.SpecConfig().replace(eagle_topk=4)):
+        assert spec.num_draft_tokens is None
+        with pytest.raises(dt.ConfigError, match="num_draft_tokens must be set"):
+            dt.Engine(model, spec)
+    assert dt.SpecConfig().replace(num_steps=5).num_draft_tokens == 6  # a chain's count follows num_steps
+    assert dt.SpecConfig(eagle_topk=4, num_draft_tokens=8).replace(eagle_topk=1).num_draft_tokens == 4
+    assert dt.SpecConfig(eagle_topk=4, num_draft_tokens=8).replace(num_steps=6).num_draft_tokens == 8
+    with pytest.raises(dt.ConfigError, match="no field"):
+        dt.SpecConfig().replace(topk=4)

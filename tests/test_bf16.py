@@ -44,16 +44,23 @@ def test_bf16_model_on_the_triton_backend_matches_the_torch_backend(device):
     # a model cast with .to(bfloat16) has bf16 attention sinks (from_pretrained keeps them fp32):
     # the kernels take them (the H200 run of bench_verify --backend triton refused bf16 sinks).
     # On the `device` fixture: cuda under scripts/gpu_check, the Triton interpreter here.
+    fp32 = dt.load_model(dt.tiny_checkpoint())
     bf16 = dt.load_model(dt.load_model(dt.tiny_checkpoint()).hf, device=device.type, dtype=torch.bfloat16)
     assert bf16.hf.model.layers[0].self_attn.sinks.dtype == torch.bfloat16
-    p = prompt(36, 4).to(device)
+    p = prompt(36, 4)
     tree = random_tree(int(p[-1]), 8, 4, 3, 1)
-    logits = {}
+    want = per_path_logits(fp32, p[:-1], tree, batch_by_depth=True)
+    hf = row_errors(per_path_logits(bf16, p[:-1].to(device), tree, batch_by_depth=True), want)
     for backend in ("torch", "triton"):
         eng = dt.Engine(bf16, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16, attention_backend=backend))
-        logits[backend] = eng.verify([eng.prefill(p)], [tree]).logits[0].float()
-    err = row_errors(logits["triton"], logits["torch"])
-    # two bf16 paths (kernel vs torch ops) round differently at every layer; measured 3.2e-2 on
-    # CPU (the interpreter truncates the kernel's bf16 output cast), under the 4.1e-2 this
-    # file's other test measured for our bf16 verify against fp32, so 5e-2
-    assert torch.isfinite(logits["triton"]).all() and err.max() < 5e-2, err
+        logits = eng.verify([eng.prefill(p.to(device))], [tree]).logits[0]
+        assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all(), backend
+        err = row_errors(logits, want)
+        # Both backends round every bf16 activation, K=V row and entry (unit roundoff 2^-8) and
+        # differ only in summation order and where the output casts fall, so neither may be
+        # further from the fp32 per-path oracle than the first test allows: 2x the worst row of
+        # Hugging Face's own bf16 forward of the same paths. That error is measured here, on
+        # this CPU's kernels (AVX2 and AVX-512 bf16 matmuls round differently), so the bound
+        # moves with the instruction set instead of being read off one machine.
+        assert err.max() <= 2 * hf.max(), (
+            f"{backend}: worst row {err.max():.3e} vs Hugging Face bf16 {hf.max():.3e}; rows {err.tolist()}")

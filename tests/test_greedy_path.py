@@ -2,7 +2,8 @@
 import torch
 
 from cases import random_tree
-from dsv4_tree.verify.accept import greedy_path, greedy_path_tensors
+from dsv4_tree.reference.greedy import ref_greedy_path
+from dsv4_tree.verify.accept import greedy_path
 
 
 def test_greedy_walk_equals_verify_tree_greedy():
@@ -18,4 +19,4 @@ def test_greedy_walk_equals_verify_tree_greedy():
             kids = tree.children(i)
             if kids and seed % 3:
                 logits[i, int(tree.tokens[kids[-1]])] += 10.0
-        assert greedy_path(tree, logits) == greedy_path_tensors(tree, logits), f"{seed=} {n=}"
+        assert greedy_path(tree, logits) == ref_greedy_path(tree, logits), f"{seed=} {n=}"

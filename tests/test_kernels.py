@@ -10,7 +10,7 @@ from cases import check_against_oracle, deep_chain_tree, prompt, random_tree, sm
 from dsv4_tree import kernels
 from dsv4_tree.model.hf_bindings import apply_rotary_pos_emb
 from dsv4_tree.reference import ops as ref
-from dsv4_tree.reference.ops import TIE_MARGIN, select_topk_table
+from dsv4_tree.attention.torch_ops import TIE_MARGIN, select_topk_table
 from dsv4_tree.reference.sparse_decode import ref_indexer_gather_scores, ref_sparse_decode
 from dsv4_tree.serving import KVPool
 
@@ -203,9 +203,13 @@ def test_gpu_bf16_large_shapes(device):
     gen = torch.Generator().manual_seed(7)
     t, h, d, rope = 64, 64, 512, 64
 
+    rows_max = []
+
     def bf16_pool(n):
         pool = KVPool(n, d, rope, "bfloat16", 64, device, torch.float32)
-        pool.write(torch.arange(n, device=device), torch.randn(n, d, generator=gen).to(device))
+        rows = torch.randn(n, d, generator=gen)
+        rows_max.append(float(rows.abs().max()))
+        pool.write(torch.arange(n, device=device), rows.to(device))
         return pool
 
     def table(k, size):
@@ -222,8 +226,14 @@ def test_gpu_bf16_large_shapes(device):
     want, _ = ref_sparse_decode(q.float(), **args)
     got, _ = kernels.sparse_decode(q, **args)
     assert got.dtype == torch.bfloat16
-    # bf16 inputs, fp32 accumulation: output rounding to bf16 dominates (2^-8 relative)
-    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    # bf16 inputs upcast exactly, fp32 accumulation: one round-to-nearest cast of the output to
+    # bf16 (2^-8 relative, design_notes/tolerances.md) plus the fp32 summation-order error of a
+    # softmax-weighted sum over K = 640 + 512 keys, first order (K + 3) * eps32 * max|v| (the
+    # weights sum to 1, so sum p_i |v_i| <= max |v|)
+    k = mi.shape[1] + xi.shape[1]
+    bound = 2 ** -8 * want.abs() + (k + 3) * torch.finfo(torch.float32).eps * max(rows_max)
+    excess = float(((got.float() - want).abs() - bound).max())
+    assert excess <= 0, f"sparse_decode bf16 error exceeds one output rounding by {excess:.2e}"
     q = torch.randn(64, 64, 128, device=device, dtype=torch.bfloat16)
     keys = torch.randn(65536, 128, device=device, dtype=torch.bfloat16)
     w = torch.randn(64, 64, device=device)

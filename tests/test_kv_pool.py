@@ -6,7 +6,7 @@ import torch
 
 from dsv4_tree.diagnostics import forbid_host_sync
 from dsv4_tree.errors import ConfigError, InputError, StateError
-from dsv4_tree.serving import KV_DTYPES, KVPool, dequantize_rows, quantize_rows
+from dsv4_tree.serving import KV_CACHE_DTYPES, KVPool, dequantize_rows, quantize_rows
 
 CASES = [  # (kv_dtype, compute_dtype)
     ("auto", torch.float32), ("auto", torch.bfloat16), ("bfloat16", torch.float32), ("fp8_e4m3", torch.float32),
@@ -29,7 +29,7 @@ def expected_read(pool: KVPool, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(pool.compute_dtype)
     if pool.kv_dtype == "bfloat16":
         return rows.to(torch.bfloat16).to(pool.compute_dtype)
-    return dequantize_rows(*quantize_rows(rows, pool.layout), pool.layout, pool.compute_dtype)
+    return dequantize_rows(*quantize_rows(rows, pool.record), pool.record, pool.compute_dtype)
 
 
 @pytest.mark.parametrize("page_size", [256, 16])
@@ -56,8 +56,8 @@ def test_write_read_copy_bitwise(kv_dtype, compute_dtype, kind, head_dim, rope_d
     # record bytes: what the codec produces, or the raw storage dtype's bytes
     rec = pool.record_bytes(slots)
     assert rec.dtype == torch.uint8 and rec.shape == (100, pool.bytes_per_token)
-    if pool.layout is not None:
-        assert torch.equal(rec, torch.cat(quantize_rows(rows, pool.layout), dim=1))
+    if pool.record is not None:
+        assert torch.equal(rec, torch.cat(quantize_rows(rows, pool.record), dim=1))
     else:
         assert torch.equal(rec, want.to(pool.storage.dtype).contiguous().view(torch.uint8))
     # copy: slots[k] -> slots[30 + k] while slots[30 + k] -> a fresh slot, in one call: every read
@@ -78,7 +78,7 @@ def test_fp8_page_layout(kind, head_dim, rope_dim):
     """Page p = slots p*ps .. p*ps+ps-1: ps data records, then ps scale records, then zero padding."""
     ps = 16
     pool = make_pool("fp8_e4m3", torch.float32, kind, head_dim, rope_dim, ps, num_slots=3 * ps)
-    lay = pool.layout
+    lay = pool.record
     assert pool.storage.shape == (3, lay.page_bytes(ps))
     slots = torch.tensor([0, 5, ps - 1, ps, 2 * ps + 7])
     rows = random_rows(len(slots), head_dim, 1) + 1.0
@@ -100,7 +100,7 @@ def test_fp8_page_layout(kind, head_dim, rope_dim):
         assert lay.page_bytes(ps) > ps * lay.bytes_per_token, "this case must exercise page padding"
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
 def test_empty_calls_and_shape_errors(kv_dtype):
     pool = make_pool(kv_dtype, torch.float32, "kv", 32, 8, 16)
     none = torch.zeros(0, dtype=torch.int64)
@@ -118,14 +118,14 @@ def test_empty_calls_and_shape_errors(kv_dtype):
 def test_unknown_kv_dtype_names_value_and_choices():
     with pytest.raises(ConfigError) as err:
         KVPool(16, 32, 8, "fp8_e5m2", 16, "cpu", torch.float32)
-    assert "fp8_e5m2" in str(err.value) and all(c in str(err.value) for c in KV_DTYPES)
+    assert "fp8_e5m2" in str(err.value) and all(c in str(err.value) for c in KV_CACHE_DTYPES)
     with pytest.raises(ConfigError, match="kind"):
         KVPool(16, 32, 8, "auto", 16, "cpu", torch.float32, kind="c4")
 
 
 def test_bytes_per_token():
     per = {(k, d, r): make_pool(k, torch.float32, "kv", d, r, 256).bytes_per_token
-           for k in KV_DTYPES for d, r in ((512, 64), (32, 8))}
+           for k in KV_CACHE_DTYPES for d, r in ((512, 64), (32, 8))}
     assert (per[("fp8_e4m3", 512, 64)], per[("bfloat16", 512, 64)], per[("auto", 512, 64)]) == (584, 1024, 2048)
     assert (per[("fp8_e4m3", 32, 8)], per[("bfloat16", 32, 8)], per[("auto", 32, 8)]) == (48, 64, 128)
     assert make_pool("fp8_e4m3", torch.float32, "index_key", 128, 0, 64).bytes_per_token == 132

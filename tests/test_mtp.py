@@ -10,6 +10,7 @@ from dsv4_tree.drafters import MtpDrafter, TreeShape
 from dsv4_tree.model.mtp import load_mtp, mtp_state_dict, to_checkpoint_names
 from dsv4_tree.model.tiny import random_mtp, write_random_checkpoint
 from dsv4_tree.reference.mtp import mtp_reference_rows
+from dsv4_tree.reference.mtp_extend import ref_draft_extend
 from test_generate import hf_greedy
 
 TOL = 1e-4  # fp32, rounding only (see design_notes/tolerances.md)
@@ -96,10 +97,10 @@ def test_draft_extend_tracks_commits():
         leaf = int(tree.leaves[torch.argmax(tree.depth[tree.leaves])])
         path = tree.path[leaf][tree.path[leaf] >= 0]
         eng.commit([req], [dt.Acceptance(tuple(path.tolist()), 7, req.request_id, out.verify_id)], out)
-    drafter.sync([req])
+    ref_draft_extend(drafter, [req])
     fresh = eng.prefill(torch.cat([req.tokens, torch.tensor([req.root_token])]))
     fresh_drafter = MtpDrafter(model, TreeShape(2, 3, 6), mtp=drafter.mtp)
-    fresh_drafter.sync([fresh])
+    ref_draft_extend(fresh_drafter, [fresh])
     a, b = drafter.caches[req.request_id], fresh_drafter.caches[fresh.request_id]
     assert a.seq_len == b.seq_len == req.seq_len
     assert torch.allclose(a.prev_hidden, b.prev_hidden, atol=1e-4)
@@ -111,7 +112,7 @@ def test_draft_folds_the_extend_into_step_0(monkeypatch):
     extend pass) and leaves the caches a separate extend would: three requests, one past the
     window (8), one inside it, one already extended (no pending rows), over rounds that commit
     different path lengths."""
-    import dsv4_tree.drafters.mtp as mtp_module
+    import dsv4_tree.drafters.mtp_rows as rows_module
 
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
@@ -119,15 +120,22 @@ def test_draft_folds_the_extend_into_step_0(monkeypatch):
     separate = MtpDrafter(model, TreeShape(2, 3, 6), mtp=folded.mtp)
     reqs = [eng.prefill(prompt(15, 4)), eng.prefill(prompt(5, 5)), eng.prefill(prompt(11, 6))]
 
-    def no_extend(*args):
-        raise AssertionError("a draft ran the separate extend pass")
+    passes = []
+
+    def counted(*args):
+        passes.append(1)
+        return real(*args)
+
+    real = rows_module.layer_kv_rows
 
     for rnd in range(4):
-        folded.sync(reqs[2:])  # request 2 has no pending rows at the draft
+        ref_draft_extend(folded, reqs[2:])  # request 2 has no pending rows at the draft
+        passes.clear()
         with monkeypatch.context() as m:
-            m.setattr(mtp_module, "extend", no_extend)
+            m.setattr(rows_module, "layer_kv_rows", counted)
             trees = folded.draft(eng, reqs)
-        for cache, want in zip([folded.caches[r.request_id] for r in reqs], separate.sync(reqs)):
+        assert len(passes) == 3, f"{rnd=}: {len(passes)} draft-layer passes for 3 steps (a separate extend adds one)"
+        for cache, want in zip([folded.caches[r.request_id] for r in reqs], ref_draft_extend(separate, reqs)):
             assert cache.seq_len == want.seq_len
             assert cache.window.shape == want.window.shape
             # GEMMs over another set of rows (pending + roots against pending alone) round differently

@@ -183,3 +183,33 @@ def test_prefill_batch_equals_one_by_one_and_is_all_or_nothing():
     with pytest.raises(dt.InputError, match="outside the vocabulary"):
         eng.prefill_batch([prompts[1], [1, 2, 10_000]])
     assert eng.runtime.live_slots() == used
+
+
+def test_graph_cache_holds_a_bounded_number_of_graphs(monkeypatch):
+    """Each new context-width bucket captures a graph; the cache keeps at most max_graphs of
+    them, dropping the least recently replayed (capture itself needs CUDA: stood in for here)."""
+    import dsv4_tree.model.graphs as graphs_mod
+    from dsv4_tree.model.forward import RowsRun
+
+    captured, replays = [], []
+
+    class Graph:
+        def __init__(self, key):
+            self.key = key
+
+        def replay(self):
+            replays.append(self.key)
+
+    out = RowsRun(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, 1, 2))
+    cache = graphs_mod.GraphCache(None, None, None, max_graphs=3)
+
+    def capture(plan):
+        captured.append(plan)
+        return graphs_mod._Captured(Graph(plan), plan, out)
+
+    monkeypatch.setattr(cache, "_capture", capture)
+    monkeypatch.setattr(graphs_mod, "_copy_into", lambda static, new: None)
+    for key in ["a", "b", "c", "a", "d", "e", "a", "b"]:  # buckets in the order a long run meets them
+        cache.run(key, key)
+    assert captured == ["a", "b", "c", "d", "e", "b"]  # "b" was dropped for "e", "a" kept by its replays
+    assert list(cache.graphs) == ["e", "a", "b"] and replays == ["a", "b", "c", "a", "d", "e", "a", "b"]

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from dsv4_tree.attention import torch_ops
 from dsv4_tree.serving import KVPool
 from dsv4_tree import kernels
 from dsv4_tree.errors import InputError
@@ -122,12 +123,13 @@ def test_rows_without_keys_output_zero():
         assert torch.equal(lse, torch.full_like(lse, float("inf")))
 
 
-def test_reference_supports_autograd():
-    """The reference masks some of its fresh tensors in place; gradients must still flow (the
+@pytest.mark.parametrize("fn", [ref_sparse_decode, torch_ops.sparse_decode], ids=["reference", "torch backend"])
+def test_reference_supports_autograd(fn):
+    """The torch backend masks some of its fresh tensors in place; gradients must still flow (the
     ones autograd keeps for backward are masked out of place)."""
     args = decode_case("auto", 16, True, seed=5)
     q, sinks = args["q"].clone().requires_grad_(True), args["sinks"].clone().requires_grad_(True)
-    out, lse = ref_sparse_decode(**{**args, "q": q, "sinks": sinks})
+    out, lse = fn(**{**args, "q": q, "sinks": sinks})
     (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(sinks.grad).all() and q.grad.abs().sum() > 0
 
@@ -212,7 +214,7 @@ def test_indexer_gather_matches_reference(kv_dtype, kind, page_size):
     keys = filled_pool(gen, 2 * page_size + 7, d, rope, kv_dtype, page_size, kind)
     cand, _ = index_table(gen, 5, 37, keys.num_slots)
     q, w = torch.randn(5, 6, d, generator=gen).to(DEV), torch.randn(5, 6, generator=gen).to(DEV)
-    want = ref_indexer_gather_scores(q, w, keys, cand, d ** -0.5, chunk=16)
+    want = ref_indexer_gather_scores(q, w, keys, cand, d ** -0.5)
     got = kernels.indexer_gather_scores(q, w, keys, cand, d ** -0.5)
     msg = f"{kv_dtype=} {kind=} {page_size=}"
     assert torch.equal(torch.isneginf(got), cand < 0), msg
@@ -220,13 +222,16 @@ def test_indexer_gather_matches_reference(kv_dtype, kind, page_size):
     assert_close(got, want, msg)
 
 
-def test_indexer_gather_reference_equals_the_formula():
-    # the gather reference over an exact pool = the score formula written out per (row, candidate)
+@pytest.mark.parametrize("fn", [ref_indexer_gather_scores, lambda *a: torch_ops.indexer_gather_scores(*a, chunk=4)],
+                         ids=["reference", "torch backend in chunks of 4"])
+def test_indexer_gather_reference_equals_the_formula(fn):
+    # the gather reference (and the torch backend's chunked version) over an exact pool = the
+    # score formula written out per (row, candidate)
     gen = torch.Generator().manual_seed(5)
     keys = filled_pool(gen, 40, 32, 0, "auto", 16)
     cand, _ = index_table(gen, 4, 9, 40)
     q, w = torch.randn(4, 3, 32, generator=gen).to(DEV), torch.randn(4, 3, generator=gen).to(DEV)
-    got = ref_indexer_gather_scores(q, w, keys, cand, 0.3, chunk=4)
+    got = fn(q, w, keys, cand, 0.3)
     assert torch.equal(torch.isneginf(got), cand < 0)
     for t in range(4):
         for c in range(9):

@@ -5,22 +5,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ConfigError
-from ..reference import ops as ref
-from ..reference import sparse_decode as ref_serving
+from . import torch_ops
 
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three hot spots, same signatures in every backend (see reference/)."""
+    """The three hot spots, same signatures in every backend (torch_ops.py; references in
+    reference/)."""
 
     name: str
-    pool_entries: Callable  # ref_pool_entries
-    indexer_scores: Callable  # ref_indexer_gather_scores
-    sparse_decode: Callable  # ref_sparse_decode
+    pool_entries: Callable  # torch_ops.pool_entries
+    indexer_scores: Callable  # torch_ops.indexer_gather_scores
+    sparse_decode: Callable  # torch_ops.sparse_decode
 
 
-TORCH_OPS = AttentionOps("torch", ref.ref_pool_entries, ref_serving.ref_indexer_gather_scores,
-                         ref_serving.ref_sparse_decode)
+TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores, torch_ops.sparse_decode)
 
 
 def get_backend(name: str) -> AttentionOps:

@@ -11,7 +11,7 @@ import torch
 
 from ..model.norms import rms_norm
 from ..model.rope import rope_tables
-from ..reference.ops import select_topk_table
+from .torch_ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
 from .compress import branch_entries

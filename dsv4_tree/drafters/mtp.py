@@ -17,6 +17,7 @@ after commit feeds the policy its measurements. depth="fixed" always drafts num_
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
 from .depth import DepthPolicy, DraftRound, candidate_depths
-from .mtp_cache import DraftCache, extend, fold_back, root_step, window_index
-from .mtp_rows import MtpRows, head_logits, layer_rows, run_rows
+from .mtp_cache import DraftCache, fold_back, root_step, window_index
+from .mtp_rows import MtpRows, draft_rows, head_logits, layer_rows
 
 
 @dataclass
@@ -49,6 +50,13 @@ class DraftRecord:
 
     tree: DraftTree
     rows: MtpRows
+
+
+def _drop(drafter_ref, request_id: int) -> None:
+    """Finalizer of a request this drafter holds state for (the drafter itself is not kept alive)."""
+    drafter = drafter_ref()
+    if drafter is not None:
+        drafter.release_id(request_id)
 
 
 class MtpDrafter:
@@ -76,8 +84,11 @@ class MtpDrafter:
 
     def release(self, req) -> None:
         """Drop every per-request state of req (called by Engine.release)."""
-        self.caches.pop(req.request_id, None)
-        self.records.pop(req.request_id, None)
+        self.release_id(req.request_id)
+
+    def release_id(self, request_id: int) -> None:
+        self.caches.pop(request_id, None)
+        self.records.pop(request_id, None)
 
     def _caches(self, requests) -> list:
         """Each request's draft cache (a new empty one for a request not drafted for before)."""
@@ -88,15 +99,9 @@ class MtpDrafter:
 
     def _keep(self, requests, caches) -> None:
         for req, cache in zip(requests, caches):
+            if req.request_id not in self.caches:  # a request dropped without release leaves nothing here
+                weakref.finalize(req, _drop, weakref.ref(self), req.request_id)
             self.caches[req.request_id] = cache
-
-    def sync(self, requests) -> list:
-        """Draft-extend the caches of requests; returns them in order. (A draft folds this
-        extend into its step 0 instead: `mtp_cache.root_step`.)"""
-        caches = self._caches(requests)
-        extend(self.model, self.mtp, caches, requests)
-        self._keep(requests, caches)
-        return caches
 
     def draft(self, engine, requests) -> list:
         if self.shape.num_draft_tokens == 1:  # nothing to draft: the root alone
@@ -149,7 +154,7 @@ class MtpDrafter:
             if s >= w:  # ancestors that fell out of the window
                 a = torch.where(torch.arange(s, device=dev) > s - w, a, torch.full_like(a, -1))
             index = torch.cat([window_index(lengths, s, k, w, dev), a, (m + torch.arange(t, device=dev)).unsqueeze(1)], 1)
-            rows = run_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
+            rows = draft_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
                             (seq + s).repeat_interleave(k), table, index)
             steps_rows.append(rows)
             step_ids.append(ftok.reshape(t))

@@ -2,9 +2,9 @@
 
 DraftCache holds, per request, the draft layer's K=V rows of the last `sliding_window`
 committed positions (plain tensors) and the target streams at seq_len - 1 (the next root
-row's input). `extend` brings a batch of caches up to their requests after prefill/commit
-(the draft-extend step), from the target streams the engine left in Request.new_hidden.
-`root_step` folds that draft-extend into a draft's step 0: the pending rows and the root rows
+row's input). A draft brings the caches up to their requests after prefill/commit (the
+draft-extend step, from the target streams the engine left in Request.new_hidden) inside its
+step 0: `root_step` folds that draft-extend into the step: the pending rows and the root rows
 go through the layer in one pass (`fold_back` then stores the pending rows' K=V).
 `window_index` lists, for draft rows at one depth, the window rows they may attend to."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import StateError
-from .mtp_rows import kv_rows
 
 
 @dataclass
@@ -32,7 +31,7 @@ class DraftCache:
         return cls(torch.empty(0, c.head_dim, **kw), 0, torch.zeros(c.hc_mult, c.hidden_size, **kw))
 
 
-def _pending(model, cache: DraftCache, req):
+def pending_rows(model, cache: DraftCache, req):
     """(ids, input streams, positions, last target streams) of the rows to compute for req."""
     new = req.seq_len - cache.seq_len
     w = model.window
@@ -49,20 +48,6 @@ def _pending(model, cache: DraftCache, req):
     ids = req.tokens[first : req.seq_len].to(model.device)
     positions = torch.arange(first, req.seq_len, device=model.device)
     return ids, hid, positions, streams[-1]
-
-
-def extend(model, mtp, caches: list, requests: list) -> None:
-    """Draft-extend every cache behind its request, all requests in one pass of the layer."""
-    todo = [(c, r) for c, r in zip(caches, requests) if r.seq_len != c.seq_len]
-    if not todo:
-        return
-    parts = [_pending(model, c, r) for c, r in todo]
-    raw = kv_rows(model, mtp, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                  torch.cat([p[2] for p in parts]))
-    start = 0
-    for (cache, req), (ids, _, _, last) in zip(todo, parts):
-        _store(model, cache, req, raw[start : start + ids.shape[0]], last)
-        start += ids.shape[0]
 
 
 @dataclass
@@ -88,7 +73,7 @@ def root_step(model, caches: list, requests: list) -> RootStep:
     w, dev = model.window, model.device
     table = torch.cat([c.window for c in caches])
     m = table.shape[0]
-    parts = [_pending(model, c, r) if r.seq_len != c.seq_len else None for c, r in zip(caches, requests)]
+    parts = [pending_rows(model, c, r) if r.seq_len != c.seq_len else None for c, r in zip(caches, requests)]
     counts = [0 if p is None else p[0].shape[0] for p in parts]
     e = sum(counts)
     # a root row at seq_len sees its old window as a draft row n (= its pending rows) deep would,
@@ -113,11 +98,11 @@ def fold_back(model, step: RootStep, caches: list, requests: list, raw: torch.Te
     start = 0
     for cache, req, (n, last) in zip(caches, requests, step.pending):
         if last is not None:
-            _store(model, cache, req, raw[start : start + n], last)
+            store_rows(model, cache, req, raw[start : start + n], last)
             start += n
 
 
-def _store(model, cache: DraftCache, req, rows: torch.Tensor, last: torch.Tensor) -> None:
+def store_rows(model, cache: DraftCache, req, rows: torch.Tensor, last: torch.Tensor) -> None:
     """Append a request's new K=V rows to its window (keeping the last `window`) and its streams."""
     cache.window = torch.cat([cache.window, rows])[-model.window :]
     cache.seq_len = req.seq_len

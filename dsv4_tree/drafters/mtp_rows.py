@@ -2,10 +2,10 @@
 
 The draft layer is one DeepSeek-V4 decoder layer with compress ratio 0, so a row's context is
 a list of K=V rows: some already computed (the draft cache window, rows of earlier draft
-steps) and the rows being computed now. `run_rows` takes those as one key table plus a
+steps) and the rows being computed now. `draft_rows` takes those as one key table plus a
 per-row index list into `table ++ new rows` and runs the Hugging Face modules' weights with
-the reference sparse attention op (`layer_rows` is the same without the head: a draft's step 0
-needs no logits for its pending rows); `kv_rows` computes only the K=V rows (draft-extend)."""
+the torch sparse attention op (`layer_rows` is the same without the head: a draft's step 0
+needs no logits for its pending rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from ..model.hc import hc_collapse, hc_head, hc_merge, hc_weights
 from ..model.moe import moe_rows
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, rope_pairs, rope_tables
-from ..reference.ops import ref_sparse_mqa_sink
+from ..attention.torch_ops import sparse_mqa_sink
 
 
 @dataclass
@@ -34,7 +34,7 @@ class MtpRows:
             raise ValueError(f"MtpRows: {t} logits rows, {self.hidden.shape[0]} hidden, {self.raw.shape[0]} raw")
 
 
-def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor):
+def layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor):
     """ids [T], hidden_in [T, hc, d], positions [T] -> (h [1, T, hc, d], RoPE pair tables cos, sin
     [1, T, rope/2, 2] (model/rope.py))."""
     emb = model.hf.model.embed_tokens(ids.unsqueeze(0))  # [1, T, d]
@@ -45,17 +45,7 @@ def _layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positio
 
 
 @torch.inference_mode()
-def kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Only the K=V rows the draft layer stores for these inputs ([T, head_dim]): a row's K=V
-    depends on its own input alone."""
-    h, cos, sin = _layer_input(model, mtp, ids, hidden_in, positions)
-    layer = mtp.decoder
-    collapsed = hc_collapse(layer.attn_hc, h)
-    return layer_kv_rows(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), cos, sin, apply_rope)
-
-
-@torch.inference_mode()
-def run_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
+def draft_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
              table: torch.Tensor, index: torch.Tensor) -> MtpRows:
     """The draft layer over T new rows.
 
@@ -74,12 +64,12 @@ def head_logits(model, mtp, h: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor,
                table: torch.Tensor, index: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """run_rows without the head, and only K=V for rows before `first` (a draft's step 0: the
+    """draft_rows without the head, and only K=V for rows before `first` (a draft's step 0: the
     pending draft-extend rows need nothing else). index [T - first, K] lists keys of rows
     first.. only. -> (output streams [1, T - first, hc, d], K=V rows of all T rows [T, head_dim])."""
     layer, attn = mtp.decoder, mtp.decoder.self_attn
     nh, d = attn.num_heads, attn.head_dim
-    h, c, s = _layer_input(model, mtp, ids, hidden_in, positions)
+    h, c, s = layer_input(model, mtp, ids, hidden_in, positions)
     cos, sin = rope_tables(c, s, d)  # full width (model/rope.py): once for q, K=V and the inverse
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = rms_norm(layer.input_layernorm, collapsed)
@@ -92,7 +82,7 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     q = apply_rope(rms_norm(attn.q_b_norm, q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
     keys = torch.cat([table, kv])
     none = kv.new_zeros((0, d))
-    out, _ = ref_sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
+    out, _ = sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
     out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d] (inverse)
     attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
     h = hc_merge(post, comb, attn_out, h)

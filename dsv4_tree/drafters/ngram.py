@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..request import check_live
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
 
@@ -52,4 +53,5 @@ class NgramDrafter:
         return DraftTree(torch.tensor(toks, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64))
 
     def draft(self, engine, requests) -> list:
+        check_live(requests)
         return [self.draft_one(r.tokens.tolist(), r.root_token) for r in requests]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.per_path import sequence_logits
+from ..request import check_live
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
 
@@ -60,4 +61,5 @@ class PlantedDrafter:
         return DraftTree(toks.long(), torch.tensor(parents, dtype=torch.int64))
 
     def draft(self, engine, requests) -> list:
+        check_live(requests)
         return [self.draft_one(r) for r in requests]

@@ -37,20 +37,40 @@ class Model:
         return self.config.sliding_window
 
     @property
-    def ratios(self) -> tuple:
-        """Compression ratios used by some layer (e.g. (4, 128))."""
-        out = set()
-        for layer in self.hf.model.layers:
-            comp = layer.self_attn.compressor
-            if comp is not None:
-                out.add(comp.compress_rate)
-        return tuple(sorted(out))
-
-    @property
     def rope_dim(self) -> int:
         """Channels of a head that carry RoPE (the trailing ones): 2 x the rotary table width."""
         rot = self.hf.model.rotary_emb
         return 2 * getattr(rot, "main_inv_freq").numel()
+
+    def layer_shapes(self) -> list:
+        """What the pools store per layer, as plain numbers (serving/pools.py: LayerShape)."""
+        from ..serving.pools import CompressorShape, LayerShape
+
+        out = []
+        for layer in self.hf.model.layers:
+            attn = layer.self_attn
+            comp = attn.compressor
+            main = indexer = None
+            if comp is not None:
+                overlap = isinstance(comp, DeepseekV4CSACompressor)
+                main = CompressorShape(comp.compress_rate, overlap, comp.head_dim)
+                if overlap:
+                    indexer = CompressorShape(comp.compress_rate, True, comp.indexer.head_dim)
+            out.append(LayerShape(attn.head_dim, main, indexer))
+        return out
+
+    def gate_biases(self) -> list:
+        """Per layer, compressor name ("main", "indexer") -> its gate position bias [m, channels]."""
+        out = []
+        for layer in self.hf.model.layers:
+            comp = layer.self_attn.compressor
+            found = {}
+            if comp is not None:
+                found["main"] = comp.position_bias
+                if getattr(comp, "indexer", None) is not None:
+                    found["indexer"] = comp.indexer.position_bias
+            out.append(found)
+        return out
 
     @property
     def compressors(self) -> dict:
@@ -63,6 +83,18 @@ class Model:
         return out
 
 
+def check_device(device) -> torch.device:
+    """device as a torch.device, or InputError naming the bad value (torch's own message kept)."""
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise InputError(f"device must be a torch.device, a device string ('cpu', 'cuda:0') or an index, "
+                         f"got {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InputError(f"device {device!r} is not a device torch knows ('cpu', 'cuda', 'cuda:0', 'meta', ...): "
+                         f"{exc}") from exc
+
+
 def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + *.safetensors, dense Hugging Face
     layout or the release format, see hf_load.py) or wrap a built DeepseekV4ForCausalLM.
@@ -73,8 +105,11 @@ def load_model(source, device=None, dtype=None, quantized: str = "dequantize") -
     given, a wrapped module is moved in place (nn.Module.to). quantized: for an FP8 / FP4
     release checkpoint, "dequantize" (default, any device) or "keep" (transformers' FP8 modules
     on CUDA; needs the `kernels` package, see hf_load.py)."""
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise InputError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InputError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
+                         f"got {dtype!r}")
+    if device is not None:
+        device = check_device(device)
     if quantized not in QUANTIZED_MODES:
         raise InputError(f"quantized must be one of {QUANTIZED_MODES}, got {quantized!r}")
     if isinstance(source, (Model, DeepseekV4ForCausalLM)):

@@ -31,19 +31,30 @@ class _Captured:
     out: RowsRun  # static outputs the graph writes
 
 
+MAX_GRAPHS = 16  # captured graphs kept at once (least recently used dropped first)
+
+
 class GraphCache:
-    def __init__(self, model, pools, ops):
+    """Captured graphs by bucket. Buckets grow with the context (entry-table widths are powers
+    of two), so over a long run the count is bounded: at most MAX_GRAPHS graphs and their memory
+    are held, the least recently replayed one released first."""
+
+    def __init__(self, model, pools, ops, max_graphs: int = MAX_GRAPHS):
         self.model, self.pools, self.ops = model, pools, ops
-        self.graphs: dict = {}
+        self.graphs: dict = {}  # bucket -> _Captured, least recently used first
+        self.max_graphs = max_graphs
 
     @torch.inference_mode()  # as run_rows: the static buffers may be inference tensors
     def run(self, plan: VerifyPlan, bucket: Bucket) -> RowsRun:
         """plan: padded to `bucket`, on the model's (CUDA) device."""
-        cap = self.graphs.get(bucket)
+        cap = self.graphs.pop(bucket, None)
         if cap is None:
-            cap = self.graphs[bucket] = self._capture(plan)
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))  # its graph and buffers go with it
+            cap = self._capture(plan)
         else:
             _copy_into(cap.plan, plan)
+        self.graphs[bucket] = cap  # most recently used last
         cap.graph.replay()
         o = cap.out
         return RowsRun(o.logits.clone(), o.topk_ties.clone(), o.hidden.clone())

@@ -1,110 +1,74 @@
-"""Torch reference implementations of the verify hot spots (fp32-friendly, written for clarity).
+"""Clear torch references of the verify hot spots, fp32, one row (or entry) at a time. The
+torch backend's batched versions (attention/torch_ops.py) and the Triton kernels (kernels/)
+are tested against these; nothing on the verify path calls them.
 
-  ref_pool_entries      -- branch compressor: pool closing nodes' source rows into entries
-                           (the torch backend's op, yardstick of kernels.pool_entries)
-  select_topk_table     -- the indexer's deterministic top-k over a per-row candidate table
-                           (tie rule below), shared by both backends
-  ref_sparse_mqa_sink   -- MQA over per-row index lists into key tables (+ shared keys), sink;
-                           the MTP drafter's attention
+  ref_pool_entries     -- branch compressor: pool closing nodes' source rows into entries
+  ref_select_topk      -- the indexer's top-k with the tie rule, by sorting each row's list
+  ref_sparse_mqa_sink  -- MQA over per-row key lists (+ keys every row sees) with a sink
 The serving-layout ops (sparse decode, indexer scores over pools) are in sparse_decode.py.
 Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
-entries, then the row's branch entries root-to-node); a stable descending sort keeps that
-order among equal scores, so on a tie the earlier block wins.
+entries, then the row's branch entries root-to-node); among equal scores the earlier one wins.
 """
 from __future__ import annotations
 
 import torch
 
+from ..attention.torch_ops import TIE_MARGIN  # the rule's near-tie margin (one definition)
 
-def ref_pool_entries(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    kv_norm,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    apply_rope,
-) -> torch.Tensor:
+
+def ref_pool_entries(kv: torch.Tensor, gate: torch.Tensor, kv_norm, cos: torch.Tensor, sin: torch.Tensor,
+                     apply_rope) -> torch.Tensor:
     """Pool gathered source rows into compressed entries.
 
     kv, gate: [E, R, d]  R = m (C128) or 2m (C4: previous block's first half, then this
               block's second half); gate already includes the position bias (-inf = no row).
-    cos, sin: the RoPE tables apply_rope takes, at each entry's block start w*m (transformers'
-              [1, E, rope_dim/2], model/rope.py's pair tables [1, E, rope_dim/2, 2] or its
-              full-width tables [1, 1, E, d], what the engine passes).
+    cos, sin: the RoPE tables apply_rope takes, at each entry's block start (any of the forms
+              attention/torch_ops.pool_entries documents).
     Returns [E, d]: RMSNorm(sum_r softmax_r(gate) * kv), then RoPE."""
-    if kv.shape[0] == 0:
+    pooled = []
+    for e in range(kv.shape[0]):
+        weights = torch.softmax(gate[e].float(), dim=0)  # [R, d]: one softmax per channel over the rows
+        pooled.append((weights * kv[e].float()).sum(dim=0).to(kv.dtype))
+    if not pooled:
         return kv.new_zeros((0, kv.shape[-1]))
-    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-    pooled = kv_norm((kv * weights).sum(dim=1)).unsqueeze(0)  # [1, E, d]
-    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
+    normed = kv_norm(torch.stack(pooled)).unsqueeze(0).unsqueeze(1)  # [1, 1, E, d]
+    return apply_rope(normed, cos, sin).reshape(kv.shape[0], -1)
 
 
-TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
-
-
-def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
-    """The tie rule over a per-row candidate table (block order; -inf = no candidate).
-
-    scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
-    lengths [T], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal or within
-    TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+def ref_select_topk(scores: torch.Tensor, cand: torch.Tensor, topk: int):
+    """The tie rule, row by row. scores [T, C] (-inf = no candidate), cand [T, C] slots.
+    Returns (selected [T, k] slots, -1 where fewer valid, lengths [T], ties [T]), k = min(topk, C);
+    ties[t] = 1 when the k-th and (k+1)-th best scores are equal or within TIE_MARGIN relative."""
     t, c = scores.shape
     k = min(topk, c)
-    if k == 0:
-        return cand[:, :0], cand.new_zeros(t), cand.new_zeros(t)
-    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-    valid = torch.isfinite(order_scores[:, :k])
-    selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
-    ties = cand.new_zeros(t)
-    if k < c:
-        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
-        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
-        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
-    return selected, valid.sum(1), ties
+    selected = torch.full((t, k), -1, dtype=cand.dtype)
+    lengths, ties = torch.zeros(t, dtype=cand.dtype), torch.zeros(t, dtype=cand.dtype)
+    for row in range(t):
+        s = scores[row].tolist()
+        order = sorted(range(c), key=lambda j: (-s[j], j))  # best first, earlier column on a tie
+        picked = [j for j in order[:k] if s[j] != float("-inf")]
+        selected[row, : len(picked)] = cand[row, picked]
+        lengths[row] = len(picked)
+        if 0 < k < c and s[order[k]] != float("-inf"):
+            edge, nxt = s[order[k - 1]], s[order[k]]
+            ties[row] = int(edge - nxt <= TIE_MARGIN * max(abs(edge), abs(nxt)))
+    return selected, lengths, ties
 
 
-def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """table [M,d], index [N,K] (-1 = none) -> rows [N,K,d] (zeros where none), valid [N,K]."""
-    valid = index >= 0
-    if table.shape[0] == 0:
-        return table.new_zeros((*index.shape, table.shape[-1])), valid & False
-    return table[index.clamp(min=0)], valid
-
-
-def ref_sparse_mqa_sink(
-    q: torch.Tensor,
-    shared_kv: torch.Tensor,
-    local_kv: torch.Tensor,
-    local_index: torch.Tensor,
-    global_kv: torch.Tensor,
-    global_index: torch.Tensor,
-    sinks: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ref_sparse_mqa_sink(q: torch.Tensor, shared_kv: torch.Tensor, local_kv: torch.Tensor, local_index: torch.Tensor,
+                        global_kv: torch.Tensor, global_index: torch.Tensor, sinks: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-KV multi-query attention with a per-head sink logit (zero value). K = V.
 
-    q [N,H,d]; shared_kv [S,d]: keys every row sees (C128 committed entries);
-    local_kv [M,d] with local_index [N,K1]: per-row keys in a small table (window, new rows,
-    branch entries); global_kv [G,d] with global_index [N,K2]: per-row picks from a large
-    table (C4 committed entries); index -1 = no key; sinks [H].
+    q [N,H,d]; shared_kv [S,d]: keys every row sees; local_kv [M,d] with local_index [N,K1] and
+    global_kv [G,d] with global_index [N,K2]: per-row keys by index (-1 = no key); sinks [H].
     Returns (out [N,H,d], lse [N,H]); lse includes the sink term."""
-    n, h, _ = q.shape
-    lk, lv = gather_rows(local_kv, local_index)
-    gk, gv = gather_rows(global_kv, global_index)
-    row_kv = torch.cat([lk, gk], dim=1)
-    row_valid = torch.cat([lv, gv], dim=1)
-    parts = []
-    if shared_kv.shape[0]:
-        parts.append(torch.matmul(q, shared_kv.t().unsqueeze(0)) * scale)  # [N, H, S]
-    row_logits = torch.matmul(q, row_kv.transpose(1, 2)) * scale  # [N, H, K]
-    parts.append(row_logits.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
-    parts.append(sinks.to(q.dtype).view(1, h, 1).expand(n, h, 1))
-    logits = torch.cat(parts, dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
-    s = shared_kv.shape[0]
-    out = torch.matmul(probs[..., s : s + row_kv.shape[1]], row_kv)  # [N, H, d]
-    if s:
-        out = torch.matmul(probs[..., :s], shared_kv.unsqueeze(0)) + out
-    return out, lse
+    outs, lses = [], []
+    for n in range(q.shape[0]):
+        keys = torch.cat([shared_kv, local_kv[local_index[n][local_index[n] >= 0]],
+                          global_kv[global_index[n][global_index[n] >= 0]]]).float()  # [K, d]
+        logits = torch.cat([q[n].float() @ keys.t() * scale, sinks.float().view(-1, 1)], dim=1)  # [H, K + 1]
+        probs = torch.softmax(logits, dim=1)
+        outs.append(probs[:, :-1] @ keys)
+        lses.append(torch.logsumexp(logits, dim=1))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).to(q.dtype)

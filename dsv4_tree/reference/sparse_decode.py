@@ -1,68 +1,61 @@
-"""Torch references of the serving-layout ops that read paged KV pools (FlashMLA argument form).
+"""Clear torch references of the serving-layout ops that read paged KV pools (FlashMLA argument
+form), one row at a time in fp32.
 
   ref_sparse_decode          -- MQA with a per-head sink over per-row index lists into one or two
                                 pools (main: SWA rows; extra: C4 / C128 entries), K = V
   ref_indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
 
-Pools are read only through `pool.read(slots)` (dequantised rows in the pool's compute dtype,
-slot -1 -> zeros), so these references hold for every storage dtype; the math is fp32."""
+Pools are read only through `pool.read(slots)` (dequantised rows in the pool's compute dtype),
+so these hold for every storage dtype."""
 from __future__ import annotations
 
 import torch
 
-from ..model.casts import as_dtype, f32
 
-
-def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [T, K], lengths [T] -> (rows [T, K, d] fp32, valid [T, K]); columns >= lengths[t] and -1 are invalid."""
-    cols = torch.arange(indices.shape[1], device=indices.device)
-    valid = (indices >= 0) & (cols.unsqueeze(0) < lengths.unsqueeze(1))
-    if indices.shape[1] == 0:
-        return torch.zeros(*indices.shape, pool.head_dim, device=indices.device), valid
-    slots = torch.where(valid, as_dtype(indices, torch.int64), -1)
-    return f32(pool.read(slots)), valid
+def _keys(pool, indices: torch.Tensor, length) -> torch.Tensor:
+    """One row's keys: the valid (>= 0) slots among its first `length` indices, fp32 [K, d]."""
+    slots = indices[: int(length)]
+    slots = slots[slots >= 0].long()
+    return pool.read(slots).float() if slots.numel() else torch.zeros(0, pool.head_dim, device=indices.device)
 
 
 def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
     """Sparse MQA with a per-head sink, FlashMLA's sparse-decode arguments and return convention.
 
     q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
-    ignored); lengths [T] int; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into
-    a second pool (or all None); sinks [H] (any float dtype, used in fp32): logit of a zero-value key per head; scale: float.
-    Returns (out [T, H, d] in q.dtype, lse [T, H] fp32). lse is the log-sum-exp of the real keys'
-    logits only (+inf for a row with no key, as FlashMLA); the sink enters the output as
-    out = softmax-average * e^lse / (e^lse + e^sink), i.e. the softmax over keys + sink with a
-    zero value for the sink. A row with no key gets out = 0."""
-    rows, valid = _row_keys(kv, indices, lengths)
-    if extra_kv is not None:
-        xrows, xvalid = _row_keys(extra_kv, extra_indices, extra_lengths)
-        rows, valid = torch.cat([rows, xrows], 1), torch.cat([valid, xvalid], 1)
-    logits = torch.matmul(f32(q), rows.transpose(1, 2)) * scale  # [T, H, K + K2]
-    invalid = ~valid.unsqueeze(1)
-    logits.masked_fill_(invalid, float("-inf"))  # a fresh product (its backward needs only the inputs)
-    lse = torch.logsumexp(logits, dim=-1)  # [T, H]; -inf where no key
-    sink = f32(sinks).view(1, -1).expand_as(lse)
-    total = torch.logaddexp(lse, sink)  # normaliser of keys + sink
-    probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill(invalid, 0.0)  # exp's output: autograd keeps it
-    out = torch.matmul(probs, rows)  # [T, H, d]
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    return as_dtype(out, q.dtype), lse
+    ignored); lengths [T]; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into a
+    second pool (or all None); sinks [H]: logit of a zero-value key per head; scale: float.
+    Returns (out [T, H, d] in q.dtype, lse [T, H] fp32): lse is the log-sum-exp of the real keys'
+    logits (+inf for a row with no key); out is the softmax over keys + sink times the keys (the
+    sink's value is zero), 0 for a row with no key."""
+    outs, lses = [], []
+    for t in range(q.shape[0]):
+        keys = _keys(kv, indices[t], lengths[t])
+        if extra_kv is not None:
+            keys = torch.cat([keys, _keys(extra_kv, extra_indices[t], extra_lengths[t])])
+        logits = q[t].float() @ keys.t() * scale  # [H, K]
+        if keys.shape[0] == 0:
+            outs.append(torch.zeros(q.shape[1], q.shape[2], device=q.device))
+            lses.append(torch.full((q.shape[1],), float("inf"), device=q.device))
+            continue
+        with_sink = torch.cat([logits, sinks.float().view(-1, 1)], dim=1)
+        outs.append(torch.softmax(with_sink, dim=1)[:, :-1] @ keys)
+        lses.append(torch.logsumexp(logits, dim=1))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
 
 
-def ref_indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) -> torch.Tensor:
+def ref_indexer_gather_scores(q, weights, keys, cand, scale) -> torch.Tensor:
     """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[cand[t, c]]), -inf where cand < 0.
 
-    q [T, HI, dI]; weights [T, HI] (the indexer's per-head weights, already including its
-    head-count scaling, as transformers' DeepseekV4IndexerScorer computes them); keys: a KVPool of
-    indexer keys; cand [T, C] int slots (-1 = none); scale: float (index_head_dim ** -0.5).
-    Returns [T, C] fp32. Candidates are processed `chunk` columns at a time, so the [T, HI, chunk]
-    intermediate stays bounded."""
-    t, c = cand.shape
-    out = torch.empty(t, c, dtype=torch.float32, device=q.device)
-    qf, wf = f32(q), f32(weights).unsqueeze(-1)
-    for start in range(0, c, chunk):
-        ids = cand[:, start : start + chunk]
-        k = f32(keys.read(torch.where(ids < 0, -1, as_dtype(ids, torch.int64))))  # [T, chunk, dI]
-        s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
-        out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
+    q [T, HI, dI]; weights [T, HI] (the indexer's per-head weights, head-count scaling included);
+    keys: a KVPool of indexer keys; cand [T, C] int slots (-1 = none); scale: float.
+    Returns [T, C] fp32."""
+    out = torch.full(cand.shape, float("-inf"), device=q.device)
+    for t in range(cand.shape[0]):
+        ok = cand[t] >= 0
+        if not ok.any():
+            continue
+        k = keys.read(cand[t][ok].long()).float()  # [C', dI]
+        per_head = torch.relu(q[t].float() @ k.t()) * scale  # [HI, C']
+        out[t, ok] = (weights[t].float().view(-1, 1) * per_head).sum(dim=0)
     return out

@@ -18,10 +18,6 @@ class PageAllocator:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id
 
     @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 

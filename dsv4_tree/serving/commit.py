@@ -63,8 +63,13 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotM
 
 
 @torch.inference_mode()
-def apply_moves(pools: list, moves: SlotMoves) -> None:
-    """Bitwise copies into every layer's pools (gather first, so overlapping moves are safe)."""
+def apply_moves(pools: list, moves: SlotMoves, before_write=None) -> None:
+    """Bitwise copies into every layer's pools (gather first, so overlapping moves are safe).
+    before_write(): called once before the first copy. From then on the draft rows may be
+    moved over (a move's destination can be another's source), so a commit that fails part-way
+    cannot be retried from them: the engine marks the verify output spent there."""
+    if before_write is not None:
+        before_write()
     rs, rd = moves.recent_src, moves.recent_dst
     for lp in pools:
         lp: LayerPools

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import torch
 
+from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigError, InputError
 from ..model.casts import as_dtype
 from .records import IndexKeyLayout, RecordLayout, dequantize_rows, quantize_rows
 
-KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 POOL_KINDS = ("kv", "index_key")
 
 
 class KVPool:
     def __init__(self, num_slots: int, head_dim: int, rope_dim: int, kv_dtype: str, page_size: int,
                  device, compute_dtype: torch.dtype, kind: str = "kv"):
-        if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={kv_dtype!r} is not one of {KV_DTYPES}")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={kv_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if kind not in POOL_KINDS:
             raise ConfigError(f"KVPool kind={kind!r} is not one of {POOL_KINDS}")
         if num_slots <= 0 or page_size <= 0:
@@ -43,11 +43,11 @@ class KVPool:
         self.compute_dtype = compute_dtype
         self.device = torch.device(device)
         self.num_pages = -(-num_slots // page_size)
-        self.layout: RecordLayout | IndexKeyLayout | None = None  # FP8 pools only
+        self.record: RecordLayout | IndexKeyLayout | None = None  # the FP8 record format (FP8 pools only)
         if kv_dtype == "fp8_e4m3":
-            self.layout = RecordLayout(head_dim, rope_dim) if kind == "kv" else IndexKeyLayout(head_dim)
-            self.page_bytes = self.layout.page_bytes(page_size)
-            self.bytes_per_token = self.layout.bytes_per_token
+            self.record = RecordLayout(head_dim, rope_dim) if kind == "kv" else IndexKeyLayout(head_dim)
+            self.page_bytes = self.record.page_bytes(page_size)
+            self.bytes_per_token = self.record.bytes_per_token
             self.storage = torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=self.device)
         else:
             dtype = compute_dtype if kv_dtype == "auto" else torch.bfloat16
@@ -65,19 +65,19 @@ class KVPool:
         if slots.dim() != 1 or rows.shape != (slots.shape[0], self.head_dim):
             raise InputError(f"KVPool.write needs slots [n] and rows [n, {self.head_dim}], "
                              f"got slots {tuple(slots.shape)} rows {tuple(rows.shape)}")
-        if self.layout is None:
+        if self.record is None:
             self.storage[slots] = rows.to(self.storage.dtype)
         else:
-            self._scatter(slots, *quantize_rows(rows, self.layout))
+            self._scatter(slots, *quantize_rows(rows, self.record))
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """slots int [...] -> rows [..., head_dim] in compute_dtype; slot -1 reads as zeros."""
         flat = slots.reshape(-1)
         safe = flat.clamp_min(0)
-        if self.layout is None:
+        if self.record is None:
             rows = as_dtype(self.storage[safe], self.compute_dtype)
         else:
-            rows = dequantize_rows(*self._gather(safe), self.layout, self.compute_dtype)
+            rows = dequantize_rows(*self._gather(safe), self.record, self.compute_dtype)
         rows.masked_fill_((flat < 0).unsqueeze(1), 0)  # rows is a fresh tensor (never the storage): fill in place
         return rows.view(*slots.shape, self.head_dim)
 
@@ -86,20 +86,20 @@ class KVPool:
         if src.shape != dst.shape or src.dim() != 1:
             raise InputError(f"KVPool.copy needs src and dst of one shape [n], "
                              f"got {tuple(src.shape)} {tuple(dst.shape)}")
-        if self.layout is None:
+        if self.record is None:
             self.storage[dst] = self.storage[src]
         else:
             self._scatter(dst, *self._gather(src))
 
     def record_bytes(self, slots: torch.Tensor) -> torch.Tensor:
         """slots int64 [n] -> uint8 [n, bytes_per_token]: the stored bytes (data record, then scale record)."""
-        if self.layout is None:
+        if self.record is None:
             return self.storage[slots].view(torch.uint8)
         return torch.cat(self._gather(slots), dim=1)
 
     def _byte_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat byte offsets of each slot's data record [n, data_bytes] and scale record [n, scale_bytes]."""
-        layout, ps = self.layout, self.page_size
+        layout, ps = self.record, self.page_size
         page_start = (slots // ps) * self.page_bytes
         offset = slots % ps
         data_start = page_start + offset * layout.data_bytes

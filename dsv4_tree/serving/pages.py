@@ -18,11 +18,11 @@ from .allocator import PageAllocator
 
 
 class PageTable:
-    def __init__(self, max_requests: int, max_positions: int, page_size: int, num_token_pages: int,
+    def __init__(self, max_requests: int, max_slots: int, page_size: int, num_token_pages: int,
                  num_recent_pages: int):
         self.page_size = page_size
         self.max_requests = max_requests
-        self.pages_per_request = -(-max_positions // page_size)
+        self.pages_per_request = -(-max_slots // page_size)  # slots a row may address
         self.req_to_page = torch.full((max_requests, self.pages_per_request), -1, dtype=torch.int64)
         self.full_to_recent = torch.full((num_token_pages,), -1, dtype=torch.int64)
         self.tokens = PageAllocator("token", num_token_pages, page_size)
@@ -36,6 +36,14 @@ class PageTable:
         if not self._rows:
             raise StateError(f"request table full: {self.max_requests} live requests (SpecConfig.max_requests)")
         return self._rows.pop()
+
+    def is_admitted(self, row: int) -> bool:
+        """Row was handed out by admit() and not released since."""
+        return 0 <= row < self.max_requests and row not in self._rows
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._rows)
 
     def release(self, row: int) -> None:
         self.shrink([row], [0])
@@ -52,7 +60,7 @@ class PageTable:
         for r, n, start in zip(rows, lengths, recent_from):
             pages = -(-n // ps)
             if pages > self.pages_per_request:
-                raise StateError(f"position {n - 1} is past the page table ({self.pages_per_request} pages of {ps})")
+                raise StateError(f"slot {n - 1} is past the page table ({self.pages_per_request} pages of {ps})")
             new = range(self.mapped[r], pages)
             plan.append((r, new, [k for k in new if (k + 1) * ps > start]))
         self.tokens.check(sum(len(new) for _, new, _ in plan))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
 from .kv_pool import KVPool
 
 
@@ -82,41 +81,36 @@ class LayerPools:
         return tuple(c for c in (self.main, self.indexer) if c is not None)
 
 
-def check_page_size(page_size: int, ratios) -> None:
-    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ConfigError(f"page_size must be a power of two, got {page_size!r}")
-    for m in ratios:
-        if page_size % m and m % page_size:
-            raise ConfigError(f"page_size={page_size} and compress ratio {m} must divide one another")
+@dataclass(frozen=True)
+class CompressorShape:
+    """What storage needs of one compressor: plain numbers (the model side reads its modules)."""
+
+    ratio: int
+    overlap: bool  # C4 style: overlapping windows, kv / gate rows twice head_dim wide
+    head_dim: int
 
 
-def build_pools(model, layout: Layout, kv_dtype: str) -> list:
-    """Zeroed pools for every layer of `model` on its device and dtype."""
-    from ..model.hf_bindings import DeepseekV4CSACompressor
+@dataclass(frozen=True)
+class LayerShape:
+    head_dim: int  # K=V row width
+    main: CompressorShape | None = None
+    indexer: CompressorShape | None = None  # the C4 indexer's key compressor
 
-    ps, dev, dt = layout.page_size, model.device, model.dtype
+
+def build_pools(layers: list, rope_dim: int, layout: Layout, kv_dtype: str, device, dtype) -> list:
+    """Zeroed pools for layers (one LayerShape each) on `device`, rows in `dtype`."""
+    ps = layout.page_size
     recent = layout.trash_recent_slot + 1
-    rope = model.rope_dim
-    out = []
-    for layer in model.hf.model.layers:
-        attn = layer.self_attn
-        lp = LayerPools(KVPool(recent, attn.head_dim, rope, kv_dtype, ps, dev, dt))
-        comp = attn.compressor
-        if comp is not None:
-            m = comp.compress_rate
-            overlap = isinstance(comp, DeepseekV4CSACompressor)
-            n_ent = layout.trash_entry_slot(m) + 1
-            ch = 2 * comp.head_dim if overlap else comp.head_dim
 
-            def rows(width):
-                return torch.zeros(recent, width, dtype=dt, device=dev)
+    def compressor(shape: CompressorShape, kind: str) -> CompressorPools:
+        width = 2 * shape.head_dim if shape.overlap else shape.head_dim
+        n_ent = layout.trash_entry_slot(shape.ratio) + 1
+        entries = KVPool(n_ent, shape.head_dim, rope_dim if kind == "kv" else 0, kv_dtype, ps, device, dtype, kind=kind)
+        return CompressorPools(shape.ratio, shape.overlap, shape.head_dim,
+                               torch.zeros(recent, width, dtype=dtype, device=device),
+                               torch.zeros(recent, width, dtype=dtype, device=device), entries)
 
-            lp.main = CompressorPools(m, overlap, comp.head_dim, rows(ch), rows(ch),
-                                      KVPool(n_ent, comp.head_dim, rope, kv_dtype, ps, dev, dt))
-            if overlap:
-                idx = comp.indexer
-                ich = 2 * idx.head_dim
-                lp.indexer = CompressorPools(m, True, idx.head_dim, rows(ich), rows(ich),
-                                             KVPool(n_ent, idx.head_dim, 0, kv_dtype, ps, dev, dt, kind="index_key"))
-        out.append(lp)
-    return out
+    return [LayerPools(KVPool(recent, shape.head_dim, rope_dim, kv_dtype, ps, device, dtype),
+                       compressor(shape.main, "kv") if shape.main is not None else None,
+                       compressor(shape.indexer, "index_key") if shape.indexer is not None else None)
+            for shape in layers]

@@ -31,9 +31,12 @@ class ServingRuntime:
     def __init__(self, model, spec, limits):
         self.model = model
         self.layout = make_layout(model, spec, limits)
-        self.pages = PageTable(spec.max_requests, limits.max_positions, spec.page_size,
+        # slots, not positions: draft node i sits at slot P + i while its position is P + depth,
+        # so a request near max_position_embeddings needs up to scratch_per_request slots past it
+        self.pages = PageTable(spec.max_requests, limits.max_positions + self.layout.scratch_per_request, spec.page_size,
                                self.layout.num_token_pages, self.layout.num_recent_pages)
-        self.pools = build_pools(model, self.layout, spec.kv_cache_dtype)
+        self.pools = build_pools(model.layer_shapes(), model.rope_dim, self.layout, spec.kv_cache_dtype,
+                                 model.device, model.dtype)
 
     def admit(self) -> int:
         return self.pages.admit()
@@ -49,17 +52,18 @@ class ServingRuntime:
         return build_tables(trees, seq_lens, rows, self.pages, self.layout)
 
     @torch.inference_mode()
-    def commit(self, rows, seq_lens, paths) -> None:
+    def commit(self, rows, seq_lens, paths, before_write=None) -> None:
         """Move accepted rows and entries into their committed slots, then free what no row can
-        read any more: pages past the new length, recent pages before new length - R."""
+        read any more: pages past the new length, recent pages before new length - R.
+        before_write: see apply_moves."""
         moves = plan_moves(self.pages, self.layout, rows, seq_lens, paths)
-        apply_moves(self.pools, moves.to(self.model.device))
+        apply_moves(self.pools, moves.to(self.model.device), before_write)
         new = [p + path.numel() for p, path in zip(seq_lens, paths)]
         self.pages.shrink(rows, new)
         self.pages.evict(rows, [n - self.layout.recent_window for n in new])
 
     def committed_view(self, row: int, seq_len: int) -> list:
-        return committed_view(self.model, self.pools, self.pages, self.layout, row, seq_len)
+        return committed_view(self.pools, self.pages, self.layout, row, seq_len, self.model.gate_biases())
 
     def live_slots(self) -> dict:
         """Pages in use per pool (for leak checks)."""

@@ -63,7 +63,8 @@ class DraftTree:
             raise TreeError(f"DraftTree tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ")
         if tokens.device != parents.device:
             raise TreeError(f"DraftTree tokens on {tokens.device}, parents on {parents.device}")
-        tokens, parents = tokens.cpu(), parents.cpu()
+        # own copies: a frozen tree must not change when the caller edits the tensors it passed
+        tokens, parents = tokens.detach().to("cpu", copy=True), parents.detach().to("cpu", copy=True)
         if int(parents[0]) != -1:
             raise TreeError(f"DraftTree.parents[0] must be -1 (node 0 is the root), got {int(parents[0])}")
         idx = torch.arange(tokens.numel())
@@ -143,6 +144,15 @@ class DraftTree:
 
     def is_chain(self) -> bool:
         return self._chain
+
+    def up_to_depth(self, max_depth: int) -> "DraftTree":
+        """The subtree of nodes at depth <= max_depth, node order kept (this tree when it fits)."""
+        if self.max_depth <= max_depth:
+            return self
+        keep = self.depth <= max(0, max_depth)
+        new_id = torch.cumsum(keep, 0) - 1  # parents come before children, so kept ids stay ordered
+        parents = self.parents[keep]
+        return DraftTree(self.tokens[keep], torch.where(parents >= 0, new_id[parents.clamp(min=0)], parents))
 
     def path_tokens(self, node: int) -> torch.Tensor:
         """Tokens of path(node), root first. [depth(node) + 1]"""

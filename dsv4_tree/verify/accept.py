@@ -5,9 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree.build import links_from_parents
 from ..tree.draft_tree import DraftTree
-from ..tree.greedy import verify_tree_greedy
 
 
 @dataclass(frozen=True)
@@ -53,16 +51,3 @@ def greedy_walk(tree: DraftTree, target: list) -> tuple[list, int]:
     while path[-1] in accepted_child:
         path.append(accepted_child[path[-1]])
     return path, target[path[-1]]
-
-
-def greedy_path_tensors(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
-    """The same acceptance through SGLang's tensor form (verify_tree_greedy)."""
-    n = tree.num_nodes
-    first, sib = links_from_parents(tree.parents.unsqueeze(0))
-    target = logits.argmax(-1).cpu().unsqueeze(0)
-    res = verify_tree_greedy(
-        tree.tokens.unsqueeze(0), torch.arange(n).unsqueeze(0), first, sib, target, tree.max_depth + 1
-    )
-    acc = res.accept_index[0]
-    path = acc[acc >= 0].tolist()
-    return path, int(res.predicts[path[-1]])

@@ -1,0 +1,167 @@
+"""The torch backend's verify hot spots, tuned for few ops (batched over all rows, fresh
+tensors filled in place, no-op casts skipped). `reference/` holds the clear per-row versions
+these are tested against (tests/test_torch_ops.py); the Triton kernels share these contracts.
+
+  pool_entries           -- branch compressor: pool closing nodes' source rows into entries
+  select_topk_table      -- the indexer's deterministic top-k (tie rule below), both backends
+  sparse_decode          -- MQA with a per-head sink over per-row index lists into pools
+  indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
+  sparse_mqa_sink        -- MQA over per-row index lists into key tables (+ shared keys): the
+                            MTP drafter's attention
+Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
+entries, then the row's branch entries root-to-node); a stable descending sort keeps that
+order among equal scores, so on a tie the earlier block wins."""
+from __future__ import annotations
+
+import torch
+
+from ..model.casts import as_dtype, f32
+
+
+def pool_entries(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    kv_norm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    apply_rope,
+) -> torch.Tensor:
+    """Pool gathered source rows into compressed entries.
+
+    kv, gate: [E, R, d]  R = m (C128) or 2m (C4: previous block's first half, then this
+              block's second half); gate already includes the position bias (-inf = no row).
+    cos, sin: the RoPE tables apply_rope takes, at each entry's block start w*m (transformers'
+              [1, E, rope_dim/2], model/rope.py's pair tables [1, E, rope_dim/2, 2] or its
+              full-width tables [1, 1, E, d], what the engine passes).
+    Returns [E, d]: RMSNorm(sum_r softmax_r(gate) * kv), then RoPE."""
+    if kv.shape[0] == 0:
+        return kv.new_zeros((0, kv.shape[-1]))
+    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    pooled = kv_norm((kv * weights).sum(dim=1)).unsqueeze(0)  # [1, E, d]
+    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
+
+
+TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
+
+
+def select_topk_table(scores: torch.Tensor, cand: torch.Tensor, topk: int):
+    """The tie rule over a per-row candidate table (block order; -inf = no candidate).
+
+    scores [T, C], cand [T, C] slots. Returns (selected slots [T, k] with -1 where invalid,
+    lengths [T], ties [T]: 1 where the row's k-th and (k+1)-th scores are equal or within
+    TIE_MARGIN relative), k = min(topk, C). No host reads: everything stays a tensor."""
+    t, c = scores.shape
+    k = min(topk, c)
+    if k == 0:
+        return cand[:, :0], cand.new_zeros(t), cand.new_zeros(t)
+    order_scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    valid = torch.isfinite(order_scores[:, :k])
+    selected = torch.where(valid, torch.gather(cand, 1, order[:, :k]), torch.full_like(cand[:, :k], -1))
+    ties = cand.new_zeros(t)
+    if k < c:
+        edge, nxt = order_scores[:, k - 1], order_scores[:, k]
+        gap_limit = TIE_MARGIN * torch.maximum(edge.abs(), nxt.abs())
+        ties = (((edge - nxt) <= gap_limit) & torch.isfinite(nxt)).to(cand.dtype)
+    return selected, valid.sum(1), ties
+
+
+def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, K], lengths [T] -> (rows [T, K, d] fp32, valid [T, K]); columns >= lengths[t] and -1 are invalid."""
+    cols = torch.arange(indices.shape[1], device=indices.device)
+    valid = (indices >= 0) & (cols.unsqueeze(0) < lengths.unsqueeze(1))
+    if indices.shape[1] == 0:
+        return torch.zeros(*indices.shape, pool.head_dim, device=indices.device), valid
+    slots = torch.where(valid, as_dtype(indices, torch.int64), -1)
+    return f32(pool.read(slots)), valid
+
+
+def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
+    """Sparse MQA with a per-head sink, FlashMLA's sparse-decode arguments and return convention.
+
+    q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
+    ignored); lengths [T] int; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into
+    a second pool (or all None); sinks [H] (any float dtype, used in fp32): logit of a zero-value key per head; scale: float.
+    Returns (out [T, H, d] in q.dtype, lse [T, H] fp32). lse is the log-sum-exp of the real keys'
+    logits only (+inf for a row with no key, as FlashMLA); the sink enters the output as
+    out = softmax-average * e^lse / (e^lse + e^sink), i.e. the softmax over keys + sink with a
+    zero value for the sink. A row with no key gets out = 0."""
+    rows, valid = _row_keys(kv, indices, lengths)
+    if extra_kv is not None:
+        xrows, xvalid = _row_keys(extra_kv, extra_indices, extra_lengths)
+        rows, valid = torch.cat([rows, xrows], 1), torch.cat([valid, xvalid], 1)
+    logits = torch.matmul(f32(q), rows.transpose(1, 2)) * scale  # [T, H, K + K2]
+    invalid = ~valid.unsqueeze(1)
+    logits.masked_fill_(invalid, float("-inf"))  # a fresh product (its backward needs only the inputs)
+    lse = torch.logsumexp(logits, dim=-1)  # [T, H]; -inf where no key
+    sink = f32(sinks).view(1, -1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)  # normaliser of keys + sink
+    probs = torch.exp(logits - total.unsqueeze(-1)).masked_fill(invalid, 0.0)  # exp's output: autograd keeps it
+    out = torch.matmul(probs, rows)  # [T, H, d]
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return as_dtype(out, q.dtype), lse
+
+
+def indexer_gather_scores(q, weights, keys, cand, scale, chunk: int = 2048) -> torch.Tensor:
+    """score[t, c] = scale * sum_h weights[t, h] * relu(q[t, h] . key[cand[t, c]]), -inf where cand < 0.
+
+    q [T, HI, dI]; weights [T, HI] (the indexer's per-head weights, already including its
+    head-count scaling, as transformers' DeepseekV4IndexerScorer computes them); keys: a KVPool of
+    indexer keys; cand [T, C] int slots (-1 = none); scale: float (index_head_dim ** -0.5).
+    Returns [T, C] fp32. Candidates are processed `chunk` columns at a time, so the [T, HI, chunk]
+    intermediate stays bounded."""
+    t, c = cand.shape
+    out = torch.empty(t, c, dtype=torch.float32, device=q.device)
+    qf, wf = f32(q), f32(weights).unsqueeze(-1)
+    for start in range(0, c, chunk):
+        ids = cand[:, start : start + chunk]
+        k = f32(keys.read(torch.where(ids < 0, -1, as_dtype(ids, torch.int64))))  # [T, chunk, dI]
+        s = torch.relu(torch.matmul(qf, k.transpose(1, 2))) * scale  # [T, HI, chunk]
+        out[:, start : start + ids.shape[1]] = (s * wf).sum(dim=1).masked_fill(ids < 0, float("-inf"))
+    return out
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """table [M,d], index [N,K] (-1 = none) -> rows [N,K,d] (zeros where none), valid [N,K]."""
+    valid = index >= 0
+    if table.shape[0] == 0:
+        return table.new_zeros((*index.shape, table.shape[-1])), valid & False
+    return table[index.clamp(min=0)], valid
+
+
+def sparse_mqa_sink(
+    q: torch.Tensor,
+    shared_kv: torch.Tensor,
+    local_kv: torch.Tensor,
+    local_index: torch.Tensor,
+    global_kv: torch.Tensor,
+    global_index: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-KV multi-query attention with a per-head sink logit (zero value). K = V.
+
+    q [N,H,d]; shared_kv [S,d]: keys every row sees (C128 committed entries);
+    local_kv [M,d] with local_index [N,K1]: per-row keys in a small table (window, new rows,
+    branch entries); global_kv [G,d] with global_index [N,K2]: per-row picks from a large
+    table (C4 committed entries); index -1 = no key; sinks [H].
+    Returns (out [N,H,d], lse [N,H]); lse includes the sink term."""
+    n, h, _ = q.shape
+    lk, lv = gather_rows(local_kv, local_index)
+    gk, gv = gather_rows(global_kv, global_index)
+    row_kv = torch.cat([lk, gk], dim=1)
+    row_valid = torch.cat([lv, gv], dim=1)
+    parts = []
+    if shared_kv.shape[0]:
+        parts.append(torch.matmul(q, shared_kv.t().unsqueeze(0)) * scale)  # [N, H, S]
+    row_logits = torch.matmul(q, row_kv.transpose(1, 2)) * scale  # [N, H, K]
+    parts.append(row_logits.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
+    parts.append(sinks.to(q.dtype).view(1, h, 1).expand(n, h, 1))
+    logits = torch.cat(parts, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+    s = shared_kv.shape[0]
+    out = torch.matmul(probs[..., s : s + row_kv.shape[1]], row_kv)  # [N, H, d]
+    if s:
+        out = torch.matmul(probs[..., :s], shared_kv.unsqueeze(0)) + out
+    return out, lse
