@@ -15,7 +15,7 @@ import time
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.model.tiny import random_model
+from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.serving.commit import plan_moves
 from dsv4_tree.tree.simulate import eagle_tree
 

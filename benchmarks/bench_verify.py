@@ -19,7 +19,7 @@ import torch
 
 import dsv4_tree as dt
 from dsv4_tree.serving.synth import committed_bytes, synthetic_request
-from dsv4_tree.model.tiny import random_model
+from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.tree.simulate import eagle_tree
 
 FLASH_ATTENTION = dict(

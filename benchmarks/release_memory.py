@@ -10,8 +10,8 @@ import json
 
 import torch
 
-from dsv4_tree.model.hf_bindings import DeepseekV4Config
-from dsv4_tree.model.release_size import release_size
+from dsv4_tree.hf_bindings import DeepseekV4Config
+from dsv4_tree.checkpoint.release_size import release_size
 
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
           "o_groups", "o_lora_rank", "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "hc_mult",

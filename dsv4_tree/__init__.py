@@ -4,7 +4,8 @@ from .config import SpecConfig
 from .engine import Engine, Request, VerifyOutput
 from .errors import CheckpointError, ConfigError, Dsv4TreeError, InputError, StateError, TreeError
 from .hooks import validate_spec
-from .model import Model, load_model, tiny_checkpoint, tiny_config, trained_checkpoint
+from .checkpoint import tiny_checkpoint, tiny_config, trained_checkpoint
+from .model import Model, load_model
 from .tree import DraftTree
 from .verify import Acceptance
 

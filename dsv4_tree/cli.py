@@ -15,7 +15,7 @@ from .engine import Engine
 from .errors import Dsv4TreeError, InputError
 from .generate import GenerateStats, resolve_sampling
 from .model.adapter import load_model
-from .model.tiny import trained_checkpoint
+from .checkpoint.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
 from .round_stats import describe, end_round, note_round
 

@@ -10,8 +10,8 @@ from .config import SpecConfig
 from .errors import ConfigError, InputError, StateError
 from .hooks import validate_spec
 from .model.adapter import Model, load_model
-from .model.forward import RowsRun, run_rows
-from .model.graphs import GraphCache
+from .executor.forward import RowsRun, run_rows
+from .executor.graphs import GraphCache
 from .request import Request, VerifyOutput, check_live
 from .serving.buckets import bucket_for, pad_plan
 from .serving.runtime import ServingRuntime

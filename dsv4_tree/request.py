@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import StateError
-from .model.forward import RowsRun
+from .executor.forward import RowsRun
 from .serving.tables import VerifyPlan
 
 _ids = itertools.count()

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import dsv4_tree as dt
-from dsv4_tree.model.tiny import random_model
+from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.reference import per_path_logits, relative_error
 
 # fp32 end to end; our gathers/matmuls sum in a different order than HF's dense masked

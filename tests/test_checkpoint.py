@@ -8,7 +8,7 @@ from transformers import DeepseekV4ForCausalLM
 
 import dsv4_tree as dt
 from cases import assert_weights_from_file
-from dsv4_tree.model.tiny import write_random_checkpoint
+from dsv4_tree.checkpoint.tiny import write_random_checkpoint
 
 
 def test_tiny_checkpoint_layout_and_config():

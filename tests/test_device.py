@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 import dsv4_tree as dt
 from cases import REL_TOL, check_against_oracle, prompt, random_tree, small_config, small_model, snapshot
 from dsv4_tree.drafters import MtpDrafter, TreeShape
-from dsv4_tree.model.tiny import random_model
+from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.reference import per_path_logits, relative_error
 from dsv4_tree.verify.accept import Acceptance
 
@@ -187,7 +187,7 @@ def test_cuda_prefill_verify_accept_commit_match_the_oracle(device):
 def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
     from types import SimpleNamespace
 
-    from dsv4_tree.model.moe import rows_experts
+    from dsv4_tree.numerics.moe import rows_experts
 
     def experts(device, dtype):
         return SimpleNamespace(gate_up_proj=SimpleNamespace(device=torch.device(device), dtype=dtype))
@@ -205,7 +205,7 @@ def test_rows_experts_avoids_the_host_synchronising_grouped_gemm():
 def test_meta_bf16_grouped_moe_stays_on_the_device():
     """moe_rows' grouped path off the CPU (what a bf16 model on cuda runs: ints into histc,
     transformers' grouped GEMM dispatcher) reached on the meta device, whose grouped GEMM takes bf16."""
-    from dsv4_tree.model.moe import grouped_applies, moe_rows
+    from dsv4_tree.numerics.moe import grouped_applies, moe_rows
 
     hf = random_model(small_config()).to(torch.bfloat16).to("meta")
     mlp = hf.model.layers[2].mlp
@@ -235,7 +235,7 @@ def test_batched_and_grouped_experts_give_the_same_verify():
 def test_transformers_default_experts_are_replaced_a_callers_choice_is_kept():
     from types import SimpleNamespace
 
-    from dsv4_tree.model.moe import experts_implementation
+    from dsv4_tree.numerics.moe import experts_implementation
 
     # transformers 5.23 defaults to grouped_mm (eager where torch lacks it): both are replaced,
     # so a default fp32 model on cuda gets batched_mm (the first H200 run caught grouped_mm there)

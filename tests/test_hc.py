@@ -1,4 +1,4 @@
-"""Our mHC weights (model/hc.py) against transformers' DeepseekV4HyperConnection: the same numbers
+"""Our mHC weights (numerics/hc.py) against transformers' DeepseekV4HyperConnection: the same numbers
 (to the last bit or two) with fewer ops. The module comparison runs the numpy Sinkhorn (CPU, no
 autograd); the torch loop, which serves cuda, meta and autograd, is compared with the numpy
 loop bitwise, and the autograd tests run it end to end."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsv4_tree.diagnostics import OpCounter
-from dsv4_tree.model.hc import hc_collapse, hc_head, hc_weights, sinkhorn_numpy, sinkhorn_torch
-from dsv4_tree.model.tiny import random_model, tiny_config
+from dsv4_tree.numerics.hc import hc_collapse, hc_head, hc_weights, sinkhorn_numpy, sinkhorn_torch
+from dsv4_tree.checkpoint.tiny import random_model, tiny_config
 
 
 def hc_module(hc_mult: int, seed: int):

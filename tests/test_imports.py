@@ -79,3 +79,52 @@ def test_import_at_repo_root_without_triton():
     assert not res["triton_loaded"] and res["submodules"] == [], res
     assert res["prefill_seq_len"] == 3, res  # the torch backend works without Triton
     assert res["triton_backend"].startswith("ConfigError") and "triton" in res["triton_backend"], res
+
+
+def _imports_of(path):
+    """Absolute dsv4_tree package names a module imports (relative imports resolved)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rel = path.relative_to(root).with_suffix("").parts
+    pkg = (["dsv4_tree", "kernels"] + list(rel[1:-1])) if rel[0] == "kernels" else list(rel[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1] + (node.module.split(".") if node.module else [])
+            else:
+                base = (node.module or "").split(".")
+            names = [base + [a.name] for a in node.names] if not node.module else [base]
+            found.update(".".join(n[:2]) for n in names if n[0] == "dsv4_tree")
+        elif isinstance(node, ast.Import):
+            found.update(".".join(a.name.split(".")[:2]) for a in node.names if a.name.startswith("dsv4_tree"))
+    return found
+
+
+def test_dependencies_flow_one_way():
+    """design_notes/package-layout.md: lower layers never import higher ones; storage never
+    sees a module; only the demo's check and the planted test drafter use the references."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "dsv4_tree"
+    above = {
+        "numerics": {"attention", "serving", "executor", "drafters", "engine", "checkpoint", "model", "reference",
+                     "generate", "generate_batch", "verify"},
+        "checkpoint": {"attention", "serving", "executor", "drafters", "engine", "model", "reference", "verify"},
+        "serving": {"model", "hf_bindings", "attention", "executor", "drafters", "engine", "checkpoint", "reference"},
+        "attention": {"executor", "drafters", "engine", "reference", "checkpoint", "generate"},
+        "executor": {"drafters", "engine", "reference", "generate"},
+        "tree": {"serving", "attention", "executor", "model", "checkpoint", "numerics", "engine", "hf_bindings"},
+    }
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        pkg = path.relative_to(root).parts[0].removesuffix(".py")
+        used = {name.split(".", 1)[1] for name in _imports_of(path) if "." in name}
+        for forbidden in above.get(pkg, ()):
+            if forbidden in used:
+                bad.append(f"{path.relative_to(root)} imports dsv4_tree.{forbidden}")
+        if "reference" in used and pkg not in ("reference", "cli", "__init__") and path.name != "planted.py":
+            bad.append(f"{path.relative_to(root)} imports dsv4_tree.reference (the verify path must not)")
+    assert not bad, "\n".join(bad)

@@ -8,7 +8,7 @@ import torch
 import dsv4_tree as dt
 from cases import check_against_oracle, deep_chain_tree, prompt, random_tree, small_model
 from dsv4_tree import kernels
-from dsv4_tree.model.hf_bindings import apply_rotary_pos_emb
+from dsv4_tree.hf_bindings import apply_rotary_pos_emb
 from dsv4_tree.reference import ops as ref
 from dsv4_tree.attention.torch_ops import TIE_MARGIN, select_topk_table
 from dsv4_tree.reference.sparse_decode import ref_indexer_gather_scores, ref_sparse_decode

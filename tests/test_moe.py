@@ -1,12 +1,12 @@
-"""model/moe.py against transformers' DeepseekV4SparseMoeBlock: bitwise the module's output for
+"""numerics/moe.py against transformers' DeepseekV4SparseMoeBlock: bitwise the module's output for
 its grouped experts implementation, in fewer ops; every other implementation runs the module's
 own experts forward."""
 import pytest
 import torch
 
 from dsv4_tree.diagnostics import OpCounter
-from dsv4_tree.model.moe import grouped_applies, moe_rows
-from dsv4_tree.model.tiny import random_model, tiny_config
+from dsv4_tree.numerics.moe import grouped_applies, moe_rows
+from dsv4_tree.checkpoint.tiny import random_model, tiny_config
 
 
 def block(layer: int, experts: int = 4, topk: int = 2, impl: str = "grouped_mm"):

@@ -7,8 +7,8 @@ import torch
 import dsv4_tree as dt
 from cases import prompt
 from dsv4_tree.drafters import MtpDrafter, TreeShape
-from dsv4_tree.model.mtp import load_mtp, mtp_state_dict, to_checkpoint_names
-from dsv4_tree.model.tiny import random_mtp, write_random_checkpoint
+from dsv4_tree.checkpoint.mtp import load_mtp, mtp_state_dict, to_checkpoint_names
+from dsv4_tree.checkpoint.tiny import random_mtp, write_random_checkpoint
 from dsv4_tree.reference.mtp import mtp_reference_rows
 from dsv4_tree.reference.mtp_extend import ref_draft_extend
 from test_generate import hf_greedy

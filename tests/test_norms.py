@@ -1,10 +1,10 @@
-"""rms_norm (model/norms.py) against transformers' norm modules: weighted and unweighted, fp32
+"""rms_norm (numerics/norms.py) against transformers' norm modules: weighted and unweighted, fp32
 through the fused op, other dtypes through the module."""
 import pytest
 import torch
 
-from dsv4_tree.model.norms import rms_norm
-from dsv4_tree.model.tiny import random_model, tiny_config
+from dsv4_tree.numerics.norms import rms_norm
+from dsv4_tree.checkpoint.tiny import random_model, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import dsv4_tree as dt
 from cases import prompt
 from dsv4_tree.drafters import NgramDrafter, PlantedDrafter, TreeShape
 from dsv4_tree.generate import fit_tree
-from dsv4_tree.model.tiny import random_model
+from dsv4_tree.checkpoint.tiny import random_model
 from test_generate import hf_greedy
 
 LIMIT = 64

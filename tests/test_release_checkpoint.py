@@ -14,14 +14,14 @@ import dsv4_tree as dt
 from cases import REL_TOL, engine_for, prompt, random_tree
 from dsv4_tree.cli import main
 from dsv4_tree.drafters import MtpDrafter, TreeShape
-from dsv4_tree.model.checkpoint_files import INDEX_FILE, read_tensors
-from dsv4_tree.model.hf_bindings import DeepseekV4ForCausalLM
-from dsv4_tree.model.mtp import load_mtp, to_checkpoint_names
-from dsv4_tree.model.quant import dequantize_weight, quantize_fp8_blocks
-from dsv4_tree.model.release import write_release
-from dsv4_tree.model.release_names import release_state_dict
-from dsv4_tree.model.release_size import release_size
-from dsv4_tree.model.tiny import RELEASE_TINY_OVERRIDES, random_model, random_mtp, tiny_config
+from dsv4_tree.checkpoint.files import INDEX_FILE, read_tensors
+from dsv4_tree.hf_bindings import DeepseekV4ForCausalLM
+from dsv4_tree.checkpoint.mtp import load_mtp, to_checkpoint_names
+from dsv4_tree.checkpoint.quant import dequantize_weight, quantize_fp8_blocks
+from dsv4_tree.checkpoint.release import write_release
+from dsv4_tree.checkpoint.release_names import release_state_dict
+from dsv4_tree.checkpoint.release_size import release_size
+from dsv4_tree.checkpoint.tiny import RELEASE_TINY_OVERRIDES, random_model, random_mtp, tiny_config
 from dsv4_tree.reference import per_path_logits, relative_error
 from safetensors import safe_open
 from test_generate import hf_greedy

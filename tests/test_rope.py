@@ -1,10 +1,10 @@
-"""Our RoPE (model/rope.py) equals transformers' apply_rotary_pos_emb, with fewer ops."""
+"""Our RoPE (numerics/rope.py) equals transformers' apply_rotary_pos_emb, with fewer ops."""
 import pytest
 import torch
 
 from dsv4_tree.diagnostics import OpCounter
-from dsv4_tree.model.hf_bindings import apply_rotary_pos_emb
-from dsv4_tree.model.rope import apply_rope, rope_pairs, rope_tables
+from dsv4_tree.hf_bindings import apply_rotary_pos_emb
+from dsv4_tree.numerics.rope import apply_rope, rope_pairs, rope_tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -188,8 +188,8 @@ def test_prefill_batch_equals_one_by_one_and_is_all_or_nothing():
 def test_graph_cache_holds_a_bounded_number_of_graphs(monkeypatch):
     """Each new context-width bucket captures a graph; the cache keeps at most max_graphs of
     them, dropping the least recently replayed (capture itself needs CUDA: stood in for here)."""
-    import dsv4_tree.model.graphs as graphs_mod
-    from dsv4_tree.model.forward import RowsRun
+    import dsv4_tree.executor.graphs as graphs_mod
+    from dsv4_tree.executor.forward import RowsRun
 
     captured, replays = [], []
 

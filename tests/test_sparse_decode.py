@@ -247,8 +247,8 @@ def test_indexer_gather_reference_equals_the_formula(fn):
 def test_indexer_gather_equals_transformers_scorer():
     # transformers' DeepseekV4IndexerScorer on the same keys: weights = weights_proj(h) * H^-0.5,
     # scale = index_head_dim^-0.5 (both its own attributes), every key a candidate
-    from dsv4_tree.model.hf_bindings import DeepseekV4Indexer
-    from dsv4_tree.model.tiny import tiny_config
+    from dsv4_tree.hf_bindings import DeepseekV4Indexer
+    from dsv4_tree.checkpoint.tiny import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config()

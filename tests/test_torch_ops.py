@@ -5,7 +5,7 @@ import torch
 
 from cases import small_model
 from dsv4_tree.attention import torch_ops
-from dsv4_tree.model.hf_bindings import apply_rotary_pos_emb
+from dsv4_tree.hf_bindings import apply_rotary_pos_emb
 from dsv4_tree.reference import (ref_indexer_gather_scores, ref_pool_entries, ref_select_topk, ref_sparse_decode,
                                  ref_sparse_mqa_sink)
 from test_sparse_decode import CASES, DEV, assert_close, decode_case, filled_pool, index_table

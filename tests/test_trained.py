@@ -7,7 +7,7 @@ import torch
 import dsv4_tree as dt
 from cases import assert_weights_from_file
 from dsv4_tree.drafters import MtpDrafter, TreeShape
-from dsv4_tree.model.mtp import load_mtp
+from dsv4_tree.checkpoint.mtp import load_mtp
 from dsv4_tree.train import TrainConfig, train
 from dsv4_tree.train.corpus import heldout_prompt
 from test_generate import hf_greedy

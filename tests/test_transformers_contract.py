@@ -4,7 +4,7 @@ import inspect
 import torch
 import transformers
 
-from dsv4_tree.model import hf_bindings as hb
+from dsv4_tree import hf_bindings as hb
 from cases import small_model
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.norms import rms_norm
-from ..model.rope import rope_tables
+from ..numerics.norms import rms_norm
+from ..numerics.rope import rope_tables
 from .torch_ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
@@ -20,9 +20,9 @@ from .compress import branch_entries
 @dataclass(frozen=True)
 class RowRope:
     """cos/sin computed once per verify: for rows ("main"/"compress") and block starts.
-    `full` widens them to a head width (model/rope.py: rope_tables) once per verify."""
+    `full` widens them to a head width (numerics/rope.py: rope_tables) once per verify."""
 
-    rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (model/rope.py)
+    rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (numerics/rope.py)
     blocks: dict  # ratio -> the same [1, E, rope_dim/2, 2]; None where no row closes a block
     widened: dict = field(default_factory=dict)  # (label or ratio, width, inverse) -> full-width tables
 

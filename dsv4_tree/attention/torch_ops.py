@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.casts import as_dtype, f32
+from ..numerics.casts import as_dtype, f32
 
 
 def pool_entries(
@@ -31,7 +31,7 @@ def pool_entries(
     kv, gate: [E, R, d]  R = m (C128) or 2m (C4: previous block's first half, then this
               block's second half); gate already includes the position bias (-inf = no row).
     cos, sin: the RoPE tables apply_rope takes, at each entry's block start w*m (transformers'
-              [1, E, rope_dim/2], model/rope.py's pair tables [1, E, rope_dim/2, 2] or its
+              [1, E, rope_dim/2], numerics/rope.py's pair tables [1, E, rope_dim/2, 2] or its
               full-width tables [1, 1, E, d], what the engine passes).
     Returns [E, d]: RMSNorm(sum_r softmax_r(gate) * kv), then RoPE."""
     if kv.shape[0] == 0:

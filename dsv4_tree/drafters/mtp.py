@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..config import DRAFT_DEPTHS
 from ..errors import ConfigError, StateError
-from ..model.mtp import MtpBlock, load_mtp
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.layer import kv_rows as layer_kv_rows
-from ..model.hc import hc_collapse, hc_head, hc_merge, hc_weights
-from ..model.moe import moe_rows
-from ..model.norms import rms_norm
-from ..model.rope import apply_rope, rope_pairs, rope_tables
+from ..numerics.hc import hc_collapse, hc_head, hc_merge, hc_weights
+from ..numerics.moe import moe_rows
+from ..numerics.norms import rms_norm
+from ..numerics.rope import apply_rope, rope_pairs, rope_tables
 from ..attention.torch_ops import sparse_mqa_sink
 
 
@@ -36,7 +36,7 @@ class MtpRows:
 
 def layer_input(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor):
     """ids [T], hidden_in [T, hc, d], positions [T] -> (h [1, T, hc, d], RoPE pair tables cos, sin
-    [1, T, rope/2, 2] (model/rope.py))."""
+    [1, T, rope/2, 2] (numerics/rope.py))."""
     emb = model.hf.model.embed_tokens(ids.unsqueeze(0))  # [1, T, d]
     h = mtp.inputs(emb[0], hidden_in)
     label = mtp.decoder.self_attn.rope_layer_type
@@ -70,7 +70,7 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     layer, attn = mtp.decoder, mtp.decoder.self_attn
     nh, d = attn.num_heads, attn.head_dim
     h, c, s = layer_input(model, mtp, ids, hidden_in, positions)
-    cos, sin = rope_tables(c, s, d)  # full width (model/rope.py): once for q, K=V and the inverse
+    cos, sin = rope_tables(c, s, d)  # full width (numerics/rope.py): once for q, K=V and the inverse
     post, comb, collapsed = hc_weights(layer.attn_hc, h)
     x = rms_norm(layer.input_layernorm, collapsed)
     kv = layer_kv_rows(attn, x, cos, sin, apply_rope)

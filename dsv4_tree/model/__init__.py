@@ -1,7 +1,4 @@
-"""Loading DeepSeek-V4 checkpoints and running verify rows through them."""
+"""The loaded model: a Hugging Face DeepseekV4ForCausalLM wrapped for tree verify (adapter.py)."""
 from .adapter import Model, load_model
-from .release import write_release
-from .tiny import tiny_checkpoint, tiny_config, trained_checkpoint, write_random_checkpoint
 
-__all__ = ["Model", "load_model", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "write_random_checkpoint",
-           "write_release"]
+__all__ = ["Model", "load_model"]

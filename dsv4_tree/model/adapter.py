@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, InputError
-from .hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
-from .hf_load import QUANTIZED_MODES, load_hf_directory
+from ..hf_bindings import DeepseekV4CSACompressor, DeepseekV4ForCausalLM
+from ..checkpoint.hf_load import QUANTIZED_MODES, load_hf_directory
 
 
 class Model:

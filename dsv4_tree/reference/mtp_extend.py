@@ -8,9 +8,9 @@ import torch
 from ..attention.layer import kv_rows as layer_kv_rows
 from ..drafters.mtp_cache import DraftCache, pending_rows, store_rows
 from ..drafters.mtp_rows import layer_input
-from ..model.hc import hc_collapse
-from ..model.norms import rms_norm
-from ..model.rope import apply_rope
+from ..numerics.hc import hc_collapse
+from ..numerics.norms import rms_norm
+from ..numerics.rope import apply_rope
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ import torch
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigError, InputError
-from ..model.casts import as_dtype
+from ..numerics.casts import as_dtype
 from .records import IndexKeyLayout, RecordLayout, dequantize_rows, quantize_rows
 
 POOL_KINDS = ("kv", "index_key")

@@ -27,7 +27,7 @@ def committed_view(pools: list, pages: PageTable, layout: Layout, row: int, seq_
                 continue
             m, n_e = cp.ratio, seq_len // cp.ratio
             k = torch.arange(n_e)
-            slots = layout.entry_slot(m, pages.token_slots(torch.full_like(k, row), k * m)).to(model.device)
+            slots = layout.entry_slot(m, pages.token_slots(torch.full_like(k, row), k * m)).to(cp.rows_kv.device)
             view[f"{name}.entries"] = cp.entries.read(slots).cpu()
             buf = recent(n_e * m, seq_len)
             view[f"{name}.buffer_kv"] = cp.rows_kv[buf].cpu()

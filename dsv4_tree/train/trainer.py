@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..model.mtp import MtpBlock, add_mtp_to_checkpoint
-from ..model.tiny import random_model, random_mtp, tiny_config
+from ..checkpoint.mtp import MtpBlock, add_mtp_to_checkpoint
+from ..checkpoint.tiny import random_model, random_mtp, tiny_config
 from .corpus import BOS, EOS, VOCAB, batches, load_corpus
 
 BYTE_MODEL = dict(

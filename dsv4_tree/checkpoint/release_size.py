@@ -36,7 +36,7 @@ class ReleaseSize:
 def release_size(config, with_mtp: bool = True, scale_bytes: int = 4) -> ReleaseSize:
     """scale_bytes: 4 for fp32 scales (what write_release stores, scale_fmt="float"), 1 for
     UE8M0 power-of-two scales (scale_fmt="ue8m0")."""
-    from .hf_bindings import DeepseekV4ForCausalLM
+    from ..hf_bindings import DeepseekV4ForCausalLM
     from .mtp import MtpBlock, to_checkpoint_names
 
     with torch.device("meta"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
+from ..hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
 
 TINY_NAME = "tiny-random-v2"
 TINY_RELEASE_NAME = "tiny-release-v1"

@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError
-from .checkpoint_files import read_tensors
-from .hf_bindings import DeepseekV4Config
-from .norms import rms_norm
+from .files import read_tensors
+from ..hf_bindings import DeepseekV4Config
+from ..numerics.norms import rms_norm
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperHead,

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, InputError
-from .checkpoint_files import quantization, read_config, shard_files
-from .hf_bindings import DeepseekV4ForCausalLM
+from .files import quantization, read_config, shard_files
+from ..hf_bindings import DeepseekV4ForCausalLM
 
 QUANTIZED_MODES = ("dequantize", "keep")
 QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)

@@ -7,10 +7,10 @@ import torch
 
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
-from .hc import hc_head, hc_merge, hc_weights
-from .moe import moe_rows
-from .norms import rms_norm
-from .rope import apply_rope, rope_pairs
+from ..numerics.hc import hc_head, hc_merge, hc_weights
+from ..numerics.moe import moe_rows
+from ..numerics.norms import rms_norm
+from ..numerics.rope import apply_rope, rope_pairs
 
 
 @dataclass
@@ -23,7 +23,7 @@ class RowsRun:
 
 
 def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
-    """RoPE pair tables (model/rope.py) for every row and every closed block's start, once per verify."""
+    """RoPE pair tables (numerics/rope.py) for every row and every closed block's start, once per verify."""
     rot = model.hf.model.rotary_emb
     pos = plan.positions.unsqueeze(0)
     rows = {label: rope_pairs(*rot(like, position_ids=pos, layer_type=label)) for label in ("main", "compress")}
@@ -47,7 +47,7 @@ def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, id
 def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor | None = None) -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
     logit_rows: packed rows to keep logits for (device tensor). The MoE layers pick their
-    experts implementation themselves (model/moe.py)."""
+    experts implementation themselves (numerics/moe.py)."""
     hf = model.hf.model
     ids = plan.input_ids.unsqueeze(0)
     emb = hf.embed_tokens(ids)  # [1, T, hidden]
