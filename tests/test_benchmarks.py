@@ -90,9 +90,13 @@ def test_bench_accept_small_run_matches_hf_in_every_case(capsys):
     assert out["repeats"] == 2
     cases = {r["case"]: r for r in out["records"]}
     assert {"no speculation (1-node chain)", "chain MTP N=4", "tree MTP N=4 topk 4",
-            "generate_batch x2 tree topk4 N=8"} <= set(cases)
+            "preset tree, adaptive (max 5)", "preset tree, fixed 5 steps", "generate_batch x2 preset, adaptive"} <= set(cases)
     assert all(r["output_equals_hf"] for r in out["records"]), out["records"]
     assert cases["no speculation (1-node chain)"]["tokens_per_verify"] == 1.0
+    assert cases["preset tree, fixed 5 steps"]["draft_steps_per_round"] == 5.0
+    adaptive = cases["preset tree, adaptive (max 5)"]
+    assert adaptive["steps_allowed"] == 5 and 1 <= adaptive["draft_steps_per_round"] <= 5
+    assert adaptive["draft_ms_per_round"] > 0 and adaptive["verify_ms_per_round"] > 0
 
 
 def test_bench_accept_timing_takes_the_fastest_and_refuses_changing_outputs():
