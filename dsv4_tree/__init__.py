@@ -4,7 +4,7 @@ The trees, the serving tables, the references and the kernels import with torch 
 Hugging Face engine (`Engine`, `Model`, the loaders) needs the `hf` extra (transformers 5.23.0)
 and loads on first use of one of its names (PEP 562), so `import dsv4_tree.tree` (or the SGLang
 plug-in, beside SGLang's own transformers pin) never imports transformers."""
-import importlib
+from .lazy import lazy_attributes
 
 from . import reference, serving, tree
 from .config import SpecConfig
@@ -28,15 +28,4 @@ __all__ = [
     "reference", "serving", "tiny_checkpoint", "tiny_config", "trained_checkpoint", "tree", "validate_spec",
 ]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)

@@ -10,16 +10,17 @@ import torch
 from .attention.backend import get_backend
 from .config import SpecConfig
 from .errors import ConfigError, InputError, StateError
+from .engine_checks import EngineChecks, _check_hidden_rows, _is_int, _last_rows
 from .hooks import validate_spec
 from .model.adapter import Model, load_model
-from .executor.forward import RowsRun, run_rows
+from .executor.forward import run_rows
 from .executor.graphs import GraphCache
 from .ranks import agree_acceptances, check_same
-from .request import Request, VerifyOutput, check_live
+from .request import Request, VerifyOutput
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
-from .tree.draft_tree import DraftTree, depth_by_pointer_jumping
+from .tree.draft_tree import DraftTree
 from .verify.accept import Acceptance, greedy_walk
 from .verify.sampling import sample_path, target_probs
 
@@ -28,33 +29,7 @@ __all__ = ["Engine", "Request", "VerifyOutput"]
 _engine_ids = itertools.count(1)
 
 
-def packed_max_depth(trees, sizes, starts) -> list:
-    """Max depth of every tree, from one pointer-jumping pass over all trees packed together."""
-    if sum(sizes) == len(trees):  # every tree a lone root (plain decoding): depth 0, no pass
-        return [0] * len(trees)
-    parents = torch.cat([t.parents for t in trees])
-    offset = torch.repeat_interleave(torch.tensor(starts), torch.tensor(sizes), output_size=parents.numel())
-    depth = depth_by_pointer_jumping(torch.where(parents >= 0, parents + offset, parents))
-    which = torch.repeat_interleave(torch.arange(len(trees)), torch.tensor(sizes), output_size=parents.numel())
-    return torch.zeros(len(trees), dtype=torch.int64).scatter_reduce_(0, which, depth, "amax").tolist()
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_hidden_rows(hidden_rows) -> int:
-    if not _is_int(hidden_rows) or hidden_rows < 0:
-        raise InputError(f"hidden_rows must be an int >= 0 (or None for sliding_window + 1), got {hidden_rows!r}")
-    return hidden_rows
-
-
-def _last_rows(t: torch.Tensor, keep: int) -> torch.Tensor:
-    """The last `keep` rows of t (none for keep = 0, where t[-0:] would be all of them)."""
-    return t[t.shape[0] - min(keep, t.shape[0]):]
-
-
-class Engine:
+class Engine(EngineChecks):
     """Tree (or chain) speculative verify for one DeepSeek-V4 model."""
 
     def __init__(self, model, spec: SpecConfig | None = None):
@@ -78,92 +53,6 @@ class Engine:
     def register_drafter(self, drafter) -> None:
         """Engine.release(req) will call drafter.release(req)."""
         self._drafters.add(drafter)
-
-    # ---------------------------------------------------------------- validation
-    def _check_own(self, requests) -> None:
-        """StateError for a released request or one another Engine made (its row indexes that
-        engine's page tables, not ours)."""
-        check_live(requests)
-        for b, req in enumerate(requests):
-            if req.engine_id != self.engine_id:
-                raise StateError(f"requests[{b}] (request {req.request_id}) belongs to another Engine: its row and "
-                                 "committed state live in that engine's pools; use that engine")
-
-    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
-        v = self.model.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
-            bad = ids[(ids < 0) | (ids >= v)][0]
-            raise InputError(f"{what}: token id {int(bad)} outside the vocabulary [0, {v})")
-
-    def _as_prompt(self, prompt_ids) -> torch.Tensor:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
-                raise InputError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
-            ids = prompt_ids.detach().cpu().long()
-        else:
-            try:
-                ids = torch.as_tensor(list(prompt_ids))
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise InputError(f"prompt_ids must be a sequence of ints: {exc}") from exc
-            if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-                raise InputError(f"prompt_ids must hold integer token ids, got {ids.dtype} values")
-            ids = ids.long()
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1:
-            raise InputError(f"prompt_ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise InputError("prompt_ids is empty: a request needs at least one token")
-        self._check_ids(ids, "prompt_ids")
-        limit = self.limits.max_positions
-        if ids.numel() > limit - 1:
-            raise InputError(
-                f"prompt of {ids.numel()} tokens leaves no position for generation: max_position_embeddings={limit}"
-            )
-        return ids
-
-    def _check_requests(self, requests, num_trees: int) -> None:
-        """The request list's own checks (also for accept with the verified trees)."""
-        if not isinstance(requests, (list, tuple)):
-            raise InputError("requests and trees must be lists")
-        if len(requests) != num_trees:
-            raise InputError(f"{len(requests)} requests but {num_trees} trees: one tree per request")
-        if not requests:
-            raise InputError("verify needs at least one request")
-        if len({id(r) for r in requests}) != len(requests):
-            raise InputError("the same request appears twice in one verify call")
-        for b, req in enumerate(requests):
-            if not isinstance(req, Request):
-                raise InputError(f"requests[{b}] is a {type(req).__name__}, not a dsv4_tree.Request")
-        self._check_own(requests)
-
-    def _check_batch(self, requests, trees, enforce_limits: bool = True) -> None:
-        if not isinstance(requests, (list, tuple)) or not isinstance(trees, (list, tuple)):
-            raise InputError("requests and trees must be lists")
-        self._check_requests(requests, len(trees))
-        for b, tree in enumerate(trees):
-            if not isinstance(tree, DraftTree):
-                raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
-            if enforce_limits and tree.num_nodes > self.limits.max_nodes:
-                raise InputError(f"trees[{b}] has {tree.num_nodes} nodes; num_draft_tokens allows {self.limits.max_nodes}")
-        # the tensor checks run once over all trees packed together (a fixed number of ops)
-        sizes = [t.num_nodes for t in trees]
-        starts = list(itertools.accumulate([0] + sizes[:-1]))
-        tokens = torch.cat([t.tokens for t in trees])
-        v = self.model.vocab_size
-        lo, hi = torch.aminmax(tokens)
-        if int(lo) < 0 or int(hi) >= v:
-            for b, tree in enumerate(trees):
-                self._check_ids(tree.tokens, f"trees[{b}].tokens")
-        for b, (req, root) in enumerate(zip(requests, tokens[starts].tolist())):
-            if root != req.root_token:
-                raise InputError(f"trees[{b}] root token {root} is not the request's pending root token {req.root_token}")
-        for b, (req, depth) in enumerate(zip(requests, packed_max_depth(trees, sizes, starts))):
-            if enforce_limits and depth > self.limits.max_depth:
-                raise InputError(f"trees[{b}] has depth {depth}; num_steps allows {self.limits.max_depth}")
-            if req.seq_len + depth >= self.limits.max_positions:
-                raise InputError(f"trees[{b}] reaches position {req.seq_len + depth}; "
-                                 f"max_position_embeddings={self.limits.max_positions}")
 
     # ---------------------------------------------------------------- steps
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
@@ -331,34 +220,6 @@ class Engine:
 
         return generate_batch(self, prompts, max_new_tokens, drafter, temperature, top_p, eos_token_id,
                               generator, progress)
-
-    def _check_out(self, requests, trees, out: VerifyOutput) -> None:
-        if not isinstance(out, VerifyOutput):
-            raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
-        if (isinstance(trees, (list, tuple)) and len(trees) == len(out.plan.trees)
-                and all(a is b for a, b in zip(trees, out.plan.trees))):
-            # the very trees verify checked: the requests, and each root (a tree edited in place
-            # since would show there first), need checking; host ints, no tensor ops
-            self._check_requests(requests, len(trees))
-            for b, (req, tree) in enumerate(zip(requests, trees)):
-                if int(tree.tokens[0]) != req.root_token:
-                    raise InputError(f"trees[{b}] root token {int(tree.tokens[0])} is not the request's pending "
-                                     f"root token {req.root_token}")
-        else:
-            self._check_batch(requests, trees, enforce_limits=False)
-        if tuple(r.request_id for r in requests) != out.request_ids:
-            raise InputError("requests differ from those of the verify call that produced `out`")
-        if tuple(r.seq_len for r in requests) != out.seq_lens:
-            raise StateError("a request was committed since this verify ran; verify again")
-        for b, r in enumerate(requests):
-            if r.scratch_owner != out.verify_id:
-                raise StateError(f"requests[{b}]'s draft rows no longer hold this output's (verified again since, "
-                                 "or a verify or commit failed part-way); use the newer output or verify again")
-        for b, (tree, planned) in enumerate(zip(trees, out.plan.trees)):
-            if tree is not planned and not (
-                torch.equal(tree.tokens, planned.tokens) and torch.equal(tree.parents, planned.parents)
-            ):
-                raise InputError(f"trees[{b}] is not the tree verified for requests[{b}]")
 
     def commit(self, requests, accs, out: VerifyOutput | None = None) -> None:
         """Fold each request's accepted path into its cache; the bonus becomes the next root.

@@ -1,7 +1,7 @@
 """Checkpoints: reading directories (dense Hugging Face layout and DeepSeek's release format,
 FP8 / FP4, sharded), writing the release format, the MTP block's weights, the tiny models.
 The names load on first access (PEP 562): they need the `hf` extra (transformers 5.23.0)."""
-import importlib
+from ..lazy import lazy_attributes
 
 _LAZY = {
     "write_release": ".release", "tiny_checkpoint": ".tiny", "tiny_config": ".tiny", "trained_checkpoint": ".tiny",
@@ -10,15 +10,4 @@ _LAZY = {
 
 __all__ = ["tiny_checkpoint", "tiny_config", "trained_checkpoint", "write_random_checkpoint", "write_release"]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)
