@@ -43,6 +43,8 @@ class SpecConfig:
                        whether one more draft step pays (measured costs, calibrated acceptance;
                        design_notes/adaptive-depth.md); "fixed": every round drafts num_steps
                        steps. None: adaptive for a tree (eagle_topk > 1), fixed for a chain.
+                       Both are exact (greedy output is the same); seeded sampling repeats
+                       draw for draw only with "fixed" (adaptive trees follow the clock).
     """
 
     eagle_topk: int = 1

@@ -25,6 +25,7 @@ import torch
 from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..config import DRAFT_DEPTHS
 from ..errors import ConfigError, StateError
+from ..ranks import agree_choice
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
@@ -57,6 +58,15 @@ def _drop(drafter_ref, request_id: int) -> None:
     drafter = drafter_ref()
     if drafter is not None:
         drafter.release_id(request_id)
+
+
+_STOPS = ("max", "exact", "cost")
+
+
+def _agreed_stop(model, stop: str | None) -> str:
+    """The policy's answer ("max" = run the step), rank 0's on every rank of a sharded model:
+    ranks time their steps differently, and a step one rank skips would hang the next collective."""
+    return _STOPS[agree_choice(model, _STOPS.index(stop or "max"))]
 
 
 class MtpDrafter:
@@ -144,7 +154,7 @@ class MtpDrafter:
             pool, front, child = [fscore.cpu()], fscore.cpu(), fscore.cpu()
         for s in range(1, steps):
             if policy is not None:
-                stop = policy.more(s, torch.cat(pool, 1), front, child) or "max"
+                stop = _agreed_stop(model, policy.more(s, torch.cat(pool, 1), front, child))
                 if stop != "max":
                     break
                 policy.step_begin()
