@@ -15,7 +15,12 @@ Draft depth: the hand-tuned rows draft a fixed depth; the preset rows run SGLang
 (topk 4, N 8, at most 5 steps) with the adaptive depth policy and with fixed depth 5
 (--depth-sweep adds fixed depths 1 to 4; depth 1 holds only 5 nodes). Every row reports
 the draft steps run per round (of those allowed) and the draft / verify milliseconds per round;
-generate_batch runs the preset tree, adaptive."""
+generate_batch runs the preset tree, adaptive.
+
+--count-ops runs each single-request case once more under dsv4_tree.diagnostics.OpCounter and
+adds aten ops per generated token: on a CPU at these sizes a step's time is mostly per-op
+overhead, and an op count does not move with the machine's load, so it backs up a tokens/s
+ratio measured on a busy machine (its run is not timed)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 import dsv4_tree as dt
+from dsv4_tree.diagnostics import OpCounter
 from dsv4_tree.train.corpus import heldout_prompt
 
 # N -> (steps of the topk-2 tree, steps of the topk-4 tree), fixed, tuned by hand. At N = 8 the
@@ -133,6 +139,8 @@ def main(argv=None):
                     "(default: --new-tokens)")
     ap.add_argument("--quick", action="store_true", help="1 prompt x 48 new tokens; batches of 32 new tokens")
     ap.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest is reported")
+    ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
+                    "per single-request case)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -148,10 +156,15 @@ def main(argv=None):
     print(f"machine: {platform.machine()} CPU, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
           f"fp32; {n_prompts} held-out prompts x {new} new bytes, greedy; generate_batch: {batch_new} new bytes each")
     print(f"{'case':<36} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8} {'steps':>9} "
-          f"{'draft_ms':>8} {'verify_ms':>9}")
+          f"{'draft_ms':>8} {'verify_ms':>9}" + (f" {'ops/token':>9}" if args.count_ops else ""))
     records = []
 
-    def report(label, outs, run, secs, want, hf_rate=None):
+    def count_ops(fn, fargs):
+        with OpCounter() as ops:
+            outs = fn(*fargs)
+        return ops.total / sum(len(o) for o in (outs.tokens if isinstance(outs, Run) else outs))
+
+    def report(label, outs, run, secs, want, hf_rate=None, job=None):
         tokens = sum(len(o) for o in outs)
         rounds, calls = (run.rounds, run.calls) if run else (None, None)
         steps = [s for s in run.steps if s is not None] if run else []
@@ -162,11 +175,14 @@ def main(argv=None):
                "draft_ms_per_round": 1e3 * run.draft_seconds / calls if run else None,
                "verify_ms_per_round": 1e3 * run.verify_seconds / calls if run else None}
         rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
+        if args.count_ops and job is not None:
+            rec["ops_per_token"] = count_ops(*job)
         records.append(rec)
         tpv = "-" if rounds is None else f"{rec['tokens_per_verify']:.3f}"
         st = f"{rec['draft_steps_per_round']:.2f}/{run.allowed}" if steps else "-"
         ms = (f"{rec['draft_ms_per_round']:>8.2f} {rec['verify_ms_per_round']:>9.2f}" if run else f"{'-':>8} {'-':>9}")
         print(f"{label:<36} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {calls or '-':>8} {st:>9} {ms}"
+              + (f" {rec['ops_per_token']:>9.0f}" if "ops_per_token" in rec else "")
               + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
         return rec["tokens_per_s"]
 
@@ -180,10 +196,10 @@ def main(argv=None):
         jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, *PRESET)) for size in sizes]
     results = iter(timed_rounds(args.repeats, jobs, log=lambda line: print(line, file=sys.stderr, flush=True)))
     want, secs = next(results)
-    hf_rate = report("HF generate (its own cache)", want, None, secs, want)
-    for label, *_ in cases:
+    hf_rate = report("HF generate (its own cache)", want, None, secs, want, job=jobs[0])
+    for j, (label, *_) in enumerate(cases):
         run, secs = next(results)
-        report(label, run.tokens, run, secs, want, hf_rate)
+        report(label, run.tokens, run, secs, want, hf_rate, job=jobs[1 + j])
     if sizes:
         batch_want, secs = next(results)
         batch_hf = report(f"HF generate, {batch_new} new", batch_want, None, secs, batch_want)
