@@ -218,3 +218,55 @@ def test_draft_decode_refusals(no_flashmla_schedule):
     be.present_ratios = (4, 128)
     with pytest.raises(ConfigError, match=r"compressed ratios \(4, 128\)"):
         be.make_forward_metadata_from_raw_decode(raw)
+
+
+def test_draft_branch_attention_equals_the_branch_run_alone(monkeypatch, no_flashmla_schedule):
+    """Numerically, over an fp8 SWA pool in SGLang's V4 byte layout: every step each row writes a
+    new record to its SGLang write slot and decodes with the tree metadata; each branch's outputs
+    are bitwise those of the branch run alone (a pool holding only the prefix and that branch's
+    own records) with SGLang's linear decode metadata."""
+    from dsv4_tree.reference import ref_sparse_decode
+    from test_sglang_decode import D, H, fp8_pool
+
+    gen = torch.Generator().manual_seed(11)
+    lens, topk, steps = [253, 60], 3, 4
+    bs, n = len(lens), 10
+    req_to_token, mapping = layout(lens, n, gen, extra_rows=1, max_len=MAX_LEN)
+    chain_row = req_to_token.shape[0] - 1
+    rpi, seq_lens = torch.arange(1, bs + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    out_cache_loc, positions, _ = sglang_draft_out_cache_loc(monkeypatch, req_to_token, rpi, seq_lens, topk, steps)
+    ms = tree_multistep(req_to_token, mapping, n, topk, steps)
+    ms.init_forward_metadata(draft_batch(rpi, seq_lens, out_cache_loc, positions))
+    pool = fp8_pool(int(mapping.max()) + 1, PAGE, gen)  # random records stand for everything already there
+    before = pool.storage.clone()
+    sinks, scale = torch.randn(H, generator=gen), D ** -0.5
+    written, queries, outs = [], [], []
+    for i in range(steps - 1):
+        core = ms.attn_backends[i].forward_metadata.core_attn_metadata
+        written.append(torch.randn(bs * topk, D, generator=gen))
+        pool.write(core.swa_out_cache_loc.to(torch.int64), written[-1])
+        queries.append(torch.randn(bs * topk, H, D, generator=gen))
+        outs.append(ref_sparse_decode(queries[-1], pool, core.swa_page_indices, core.swa_topk_lengths, sinks, scale))
+    own = out_cache_loc.view(bs, topk, steps)
+    chain_be = draft_stand_in(req_to_token, mapping, n)
+    for b in range(bs):
+        P, rid = lens[b], int(rpi[b])
+        for t in range(topk):
+            r = b * topk + t
+            alone = fp8_pool(int(mapping.max()) + 1, PAGE)
+            alone.storage.copy_(before)
+            for i in range(steps - 1):
+                alone.write(mapping[own[b, t, i:i + 1].long()], written[i][r:r + 1])
+                chain = req_to_token.clone()
+                chain[chain_row, :P] = req_to_token[rid, :P]
+                chain[chain_row, P:P + i + 1] = own[b, t, :i + 1].to(torch.int32)
+                chain_be.req_to_token = chain
+                ref = chain_be.make_forward_metadata_from_raw_decode(dsv4.DSV4RawDecodeMetadata(
+                    req_pool_indices=torch.tensor([chain_row], dtype=torch.int32),
+                    seq_lens=torch.tensor([P + i + 1], dtype=torch.int32),
+                    out_cache_loc=own[b, t, i:i + 1])).core_attn_metadata
+                want = ref_sparse_decode(queries[i][r:r + 1], alone, ref.swa_page_indices, ref.swa_topk_lengths,
+                                         sinks, scale)
+                # same keys in the same order through the same ops: bitwise equal
+                assert torch.equal(outs[i][0][r:r + 1], want[0]) and torch.equal(outs[i][1][r:r + 1], want[1]), \
+                    (lens, b, t, i)
