@@ -93,7 +93,8 @@ def draft_stand_in(req_to_token, mapping, n) -> StandIn:
     sb.enable_decoder_swa_bounded_replay = False
     sb._early_verify_metadata_ids = set()
     sb.token_to_kv_pool.translate_loc_from_full_to_swa = lambda loc: mapping[loc]
-    sb.make_forward_metadata_from_raw_decode = dsv4.DeepseekV4AttnBackend.make_forward_metadata_from_raw_decode.__get__(sb)
+    sglang_decode = dsv4.DeepseekV4AttnBackend.make_forward_metadata_from_raw_decode
+    sb.make_forward_metadata_from_raw_decode = sglang_decode.__get__(sb)
     return sb
 
 
@@ -139,7 +140,7 @@ def check_draft_case(monkeypatch, lens, topk, steps, seed, rpi_order=None):
     n = min(10, topk * steps)
     req_to_token, mapping = layout(lens, n, gen, extra_rows=1, max_len=MAX_LEN)
     chain_row = req_to_token.shape[0] - 1
-    rpi = torch.arange(1, bs + 1, dtype=torch.int32) if rpi_order is None else torch.tensor(rpi_order, dtype=torch.int32)
+    rpi = torch.tensor(rpi_order or list(range(1, bs + 1)), dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     out_cache_loc, positions, moves = sglang_draft_out_cache_loc(monkeypatch, req_to_token, rpi, seq_lens, topk, steps)
     assert out_cache_loc.shape == (bs * topk * steps,) and out_cache_loc.unique().numel() == bs * topk * steps

@@ -42,11 +42,12 @@ def test_dry_run_launches_pass_sglang_resolution(model):
     rc, report, err = dry_run(model, "--tp", "1", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8")
     assert rc == 0, err[-3000:]
     chain, tree = report["launches"]
-    assert chain["engine_kwargs"]["speculative_eagle_topk"] == 1 and chain["engine_kwargs"]["speculative_num_draft_tokens"] == 4
-    assert tree["engine_kwargs"]["speculative_eagle_topk"] == 4 and tree["engine_kwargs"]["speculative_num_draft_tokens"] == 8
-    same = {k: v for k, v in chain["engine_kwargs"].items() if k not in SPECULATIVE}
-    assert same == {k: v for k, v in tree["engine_kwargs"].items() if k not in SPECULATIVE}
-    assert same["disable_cuda_graph"] is True and same["dsv4_attn_backend"] == "flashmla" and same["model_path"] == model
+    ck, tk = chain["engine_kwargs"], tree["engine_kwargs"]
+    assert (ck["speculative_eagle_topk"], ck["speculative_num_draft_tokens"]) == (1, 4)
+    assert (tk["speculative_eagle_topk"], tk["speculative_num_draft_tokens"]) == (4, 8)
+    same = {k: v for k, v in ck.items() if k not in SPECULATIVE}
+    assert same == {k: v for k, v in tk.items() if k not in SPECULATIVE}
+    assert (same["disable_cuda_graph"], same["dsv4_attn_backend"], same["model_path"]) == (True, "flashmla", model)
     for launch, topk, n in ((chain, 1, 4), (tree, 4, 8)):
         assert launch["ok"], launch
         r = launch["resolved"]
