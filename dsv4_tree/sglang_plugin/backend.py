@@ -7,15 +7,19 @@ factory hooks when EAGLE topk > 1).
 * Target verify: eager `init_forward_metadata` keeps the batch's tree (`spec_info`) for
   `make_forward_metadata_from_raw_verify`, which builds tree rows (`metadata.py`).
 * CUDA graphs: refused (ConfigError naming --disable-cuda-graph).
+* Draft decode (the multi-step backend's step backends): `bs x topk` SWA-only rows per step,
+  each branch a chain over its own draft slots (`draft_metadata.py`); eager
+  `init_forward_metadata` keeps the batch's multi-step `out_cache_loc` for it.
 * The write side of a tree verify (per-branch compressor entries, branch indexer candidates)
-  and topk > 1 draft decode are refused with a StateError naming the step, never run with
-  chain-addressed plans that would mix siblings' state."""
+  is refused with a StateError naming the step, never run with chain-addressed plans that
+  would mix siblings' state."""
 from __future__ import annotations
 
 import contextlib
 from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 
 from ..errors import ConfigError, StateError
+from .draft_metadata import draft_step_metadata
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
 
 CUDA_GRAPH_REFUSAL = ("dsv4_tree tree verify (EAGLE topk > 1) builds its metadata eagerly: "
@@ -66,6 +70,7 @@ class _TreeMixin:
         self.topk = int(real_get_spec().speculative_eagle_topk)
         self.mtp_enabled = True
         self._tree_spec_info = None
+        self._tree_draft_out_cache_loc = None
         _check_pool(self)
 
     def init_cuda_graph_state(self, *args, **kwargs):
@@ -87,10 +92,12 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         mode = dsv4._get_logical_forward_mode(forward_batch)
         self._tree_spec_info = forward_batch.spec_info if mode.is_target_verify() else None
+        self._tree_draft_out_cache_loc = forward_batch.out_cache_loc if mode.is_decode() else None
         try:
             super().init_forward_metadata(forward_batch)
         finally:
             self._tree_spec_info = None
+            self._tree_draft_out_cache_loc = None
 
     def make_forward_metadata_from_raw_verify(self, raw_metadata, online_c128_state_slot_offset: int = 0,
                                               graph_backed: bool = False):
@@ -112,10 +119,24 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
         return super().forward_indexer_compressor(*args, **kwargs)
 
     def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
-        if out_cache_loc.shape[0] != req_pool_indices.shape[0]:
-            raise StateError(f"dsv4_tree: draft decode with topk={self.topk} ({out_cache_loc.shape[0]} rows for "
-                             f"{req_pool_indices.shape[0]} requests) is not implemented")
-        return super().init_forward_metadata_decode(max_seq_len, req_pool_indices, seq_lens, out_cache_loc)
+        """SGLang's raw decode record, with one write slot per branch (bs * topk) instead of
+        SGLang's one per request."""
+        bs = req_pool_indices.shape[0]
+        if seq_lens.shape[0] != bs or out_cache_loc.shape[0] != bs * self.topk:
+            raise StateError(f"dsv4_tree draft decode (EAGLE topk={self.topk}): {bs} requests need {bs} seq_lens "
+                             f"and {bs * self.topk} write slots (bs * topk), got {seq_lens.shape[0]} and "
+                             f"{out_cache_loc.shape[0]}")
+        return dsv4.DSV4RawDecodeMetadata(req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+                                          out_cache_loc=out_cache_loc)
+
+    def make_forward_metadata_from_raw_decode(self, raw_metadata):
+        out_cache_loc = self._tree_draft_out_cache_loc
+        want = raw_metadata.req_pool_indices.shape[0] * self.topk * self.speculative_num_steps
+        if out_cache_loc is None or out_cache_loc.shape[0] != want:
+            raise StateError(f"dsv4_tree draft decode (EAGLE topk={self.topk}): metadata needs the batch's multi-step "
+                             f"out_cache_loc of bs * topk * num_steps = {want} slots, got "
+                             f"{None if out_cache_loc is None else out_cache_loc.shape[0]}")
+        return draft_step_metadata(self, raw_metadata, out_cache_loc)
 
     def _refuse_tree_write(self, what: str) -> None:
         if not isinstance(getattr(self, "forward_metadata", None), TreeDSV4Metadata):
