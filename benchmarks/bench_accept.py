@@ -9,7 +9,18 @@ steps; trees: topk 2 / 4). generate_batch runs 1, 4 and 16 prompts at once (toke
 verify there is per request; "verifies" counts verify calls, one per round for the batch).
 Each case runs --repeats times (same output each time), the cases taking turns in every
 repeat, and each case's fastest run is reported, HF's included. Human table first, one JSON
-line last. --quick finishes in about 30 s on 2 cores."""
+line last. --quick finishes in about 30 s on 2 cores.
+
+Draft depth: the hand-tuned rows draft a fixed depth; the preset rows run SGLang's default tree
+(topk 4, N 8, at most 5 steps) with the adaptive depth policy and with fixed depth 5
+(--depth-sweep adds fixed depths 1 to 4; depth 1 holds only 5 nodes). Every row reports
+the draft steps run per round (of those allowed) and the draft / verify milliseconds per round;
+generate_batch runs the preset tree, adaptive.
+
+--count-ops runs each single-request case once more under dsv4_tree.diagnostics.OpCounter and
+adds aten ops per generated token: on a CPU at these sizes a step's time is mostly per-op
+overhead, and an op count does not move with the machine's load, so it backs up a tokens/s
+ratio measured on a busy machine (its run is not timed)."""
 from __future__ import annotations
 
 import argparse
@@ -17,27 +28,48 @@ import json
 import platform
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
 import dsv4_tree as dt
+from dsv4_tree.diagnostics import OpCounter
 from dsv4_tree.train.corpus import heldout_prompt
 
-# N -> (steps of the topk-2 tree, steps of the topk-4 tree). At N = 8 the topk-4 tree drafts
-# 2 steps: they already offer 20 candidates for its 7 draft slots; a third step adds one more
-# draft pass per round for +0.05 tokens per verify on the trained checkpoint (2.51 against
-# 2.46 with 128 new bytes), so it loses in tokens/s (design_notes/mtp-drafter.md).
+# N -> (steps of the topk-2 tree, steps of the topk-4 tree), fixed, tuned by hand. At N = 8 the
+# topk-4 tree drafts 2 steps: they already offer 20 candidates for its 7 draft slots; a third
+# step adds one more draft pass per round for +0.05 tokens per verify on the trained checkpoint
+# (design_notes/mtp-drafter.md). The preset rows show the adaptive policy finding this itself.
 TREE_STEPS = {4: (2, 2), 8: (4, 2), 16: (6, 5)}
+PRESET = (4, 5, 8)  # configs/tree_topk4.toml: topk, num_steps, num_draft_tokens
 
 
-def single_cases(budgets) -> list:
-    """(label, drafter, topk, num_steps, num_draft_tokens)."""
-    cases = [("no speculation (1-node chain)", "mtp", 1, 1, 1)]
+class Run(NamedTuple):
+    """One job's result: `tokens` must repeat exactly; the rest may vary with timing (adaptive)."""
+
+    tokens: list  # per prompt, new tokens
+    rounds: int  # verify rounds, summed over prompts (per request in a batch)
+    calls: int  # verify calls
+    steps: list  # draft steps per round (None: the drafter has no steps)
+    allowed: int | None  # steps allowed per round
+    draft_seconds: float  # over every round of every prompt (a batch round counted once)
+    verify_seconds: float
+
+
+def single_cases(budgets, depth_sweep: bool = False) -> list:
+    """(label, drafter, topk, num_steps, num_draft_tokens, draft_depth)."""
+    cases = [("no speculation (1-node chain)", "mtp", 1, 1, 1, "fixed")]
     for n in budgets:
         s2, s4 = TREE_STEPS[n]
-        cases += [(f"chain MTP N={n}", "mtp", 1, n - 1, n), (f"tree MTP N={n} topk 2", "mtp", 2, s2, n),
-                  (f"tree MTP N={n} topk 4", "mtp", 4, s4, n)]
-    return cases + [("n-gram tree N=8 topk 4", "ngram", 4, 3, 8)]
+        cases += [(f"chain MTP N={n}", "mtp", 1, n - 1, n, "fixed"),
+                  (f"tree MTP N={n} topk 2", "mtp", 2, s2, n, "fixed"),
+                  (f"tree MTP N={n} topk 4", "mtp", 4, s4, n, "fixed")]
+    k, s, n = PRESET
+    cases += [("preset tree, adaptive (max 5)", "mtp", k, s, n, "adaptive"),
+              ("preset tree, fixed 5 steps", "mtp", k, s, n, "fixed")]
+    if depth_sweep:  # depth 1 offers only topk candidates: 5 nodes
+        cases += [(f"preset tree, fixed {d} steps", "mtp", k, d, n if d > 1 else k + 1, "fixed") for d in (1, 2, 3, 4)]
+    return cases + [("n-gram tree N=8 topk 4", "ngram", 4, 3, 8, "fixed")]
 
 
 def hf_generate(model, prompts, new_tokens):
@@ -49,32 +81,41 @@ def hf_generate(model, prompts, new_tokens):
     return outs
 
 
-def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes):
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes, depth="fixed"):
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth))
     results = [eng.generate(p, new_tokens, drafter=kind, eos_token_id=eos, progress=False) for p in prompts]
-    return [r.tokens for r in results], sum(r.stats.rounds for r in results)
+    st = [r.stats for r in results]
+    rounds = sum(x.rounds for x in st)
+    return Run([r.tokens for r in results], rounds, rounds, [s for x in st for s in x.draft_steps], st[0].steps_allowed,
+               sum(sum(x.round_draft_seconds) for x in st), sum(sum(x.round_verify_seconds) for x in st))
 
 
-def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes):
-    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes))
+def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes, depth="adaptive"):
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth))
     results = eng.generate_batch(prompts, new_tokens, drafter="mtp", eos_token_id=eos, progress=False)
-    # tokens per verify per request (its own rounds); verify calls = rounds of the longest
-    return [r.tokens for r in results], sum(r.stats.rounds for r in results), max(r.stats.rounds for r in results)
+    # tokens per verify per request (its own rounds); verify calls = rounds of the longest, whose
+    # per-round lists hold every batch round (the batch's draft steps and times)
+    longest = max((r.stats for r in results), key=lambda x: x.rounds)
+    return Run([r.tokens for r in results], sum(r.stats.rounds for r in results), longest.rounds, longest.draft_steps,
+               longest.steps_allowed, sum(longest.round_draft_seconds), sum(longest.round_verify_seconds))
 
 
 def timed_rounds(repeats, jobs, log=None):
-    """jobs: [(fn, args)] -> [(output, seconds)]: each job's fastest of `repeats` runs, the jobs
-    run in turn in every repeat (round-robin), so a slow spell of the shared machine hits every
-    case rather than the one running then. Every run of a job must give the same output."""
+    """jobs: [(fn, args)] -> [(output, seconds)]: each job's fastest of `repeats` runs (and that
+    run's output), the jobs run in turn in every repeat (round-robin), so a slow spell of the
+    shared machine hits every case rather than the one running then. Every run of a job must
+    give the same output (a Run's tokens; its rounds and steps may follow timing)."""
     best, outs = [None] * len(jobs), [None] * len(jobs)
+    same = lambda x: x.tokens if isinstance(x, Run) else x  # noqa: E731
     for rep in range(repeats):
         for j, (fn, args) in enumerate(jobs):
             t0 = time.perf_counter()
             got = fn(*args)
             secs = time.perf_counter() - t0
-            if outs[j] is not None and got != outs[j]:
+            if outs[j] is not None and same(got) != same(outs[j]):
                 raise RuntimeError(f"{getattr(fn, '__name__', fn)}: repeated runs gave different outputs")
-            outs[j], best[j] = got, secs if best[j] is None else min(best[j], secs)
+            if best[j] is None or secs < best[j]:
+                outs[j], best[j] = got, secs
         if log is not None:
             log(f"repeat {rep + 1}/{repeats}: {len(jobs)} cases run")
     return list(zip(outs, best))
@@ -90,13 +131,16 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts for the single-request cases")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts ('' = none)")
+    ap.add_argument("--depth-sweep", action="store_true", help="also the preset tree at fixed depths 1 to 4")
     ap.add_argument("--budgets", default="4,8,16", help="verify rows per round N")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's choice)")
     ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per generate_batch prompt "
                     "(default: --new-tokens)")
     ap.add_argument("--quick", action="store_true", help="1 prompt x 48 new tokens; batches of 32 new tokens")
     ap.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest is reported")
+    ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
+                    "per single-request case)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -104,47 +148,65 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     n_prompts, new = (1, 48) if args.quick else (args.prompts, args.new_tokens)
     batch_new = 32 if args.quick else (args.batch_new_tokens or new)
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     budgets = [int(x) for x in args.budgets.split(",")]
     model = dt.load_model(dt.trained_checkpoint())
     eos = model.hf.generation_config.eos_token_id
     prompts = [heldout_prompt(args.prompt_len, seed) for seed in range(n_prompts)]
     print(f"machine: {platform.machine()} CPU, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
           f"fp32; {n_prompts} held-out prompts x {new} new bytes, greedy; generate_batch: {batch_new} new bytes each")
-    print(f"{'case':<32} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8}")
+    print(f"{'case':<36} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8} {'steps':>9} "
+          f"{'draft_ms':>8} {'verify_ms':>9}" + (f" {'ops/token':>9}" if args.count_ops else ""))
     records = []
 
-    def report(label, outs, rounds, secs, want, hf_rate=None, calls=None):
+    def count_ops(fn, fargs):
+        with OpCounter() as ops:
+            outs = fn(*fargs)
+        return ops.total / sum(len(o) for o in (outs.tokens if isinstance(outs, Run) else outs))
+
+    def report(label, outs, run, secs, want, hf_rate=None, job=None):
         tokens = sum(len(o) for o in outs)
-        calls = rounds if calls is None else calls
+        rounds, calls = (run.rounds, run.calls) if run else (None, None)
+        steps = [s for s in run.steps if s is not None] if run else []
         rec = {"case": label, "tokens_per_verify": tokens / rounds if rounds else None,
-               "tokens_per_s": tokens / secs, "verifies": calls, "output_equals_hf": outs == want}
+               "tokens_per_s": tokens / secs, "verifies": calls, "output_equals_hf": outs == want,
+               "draft_steps_per_round": sum(steps) / len(steps) if steps else None,
+               "steps_allowed": run.allowed if steps else None,
+               "draft_ms_per_round": 1e3 * run.draft_seconds / calls if run else None,
+               "verify_ms_per_round": 1e3 * run.verify_seconds / calls if run else None}
         rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
+        if args.count_ops and job is not None:
+            rec["ops_per_token"] = count_ops(*job)
         records.append(rec)
         tpv = "-" if rounds is None else f"{rec['tokens_per_verify']:.3f}"
-        print(f"{label:<32} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {calls or '-':>8}"
+        st = f"{rec['draft_steps_per_round']:.2f}/{run.allowed}" if steps else "-"
+        ms = (f"{rec['draft_ms_per_round']:>8.2f} {rec['verify_ms_per_round']:>9.2f}" if run else f"{'-':>8} {'-':>9}")
+        print(f"{label:<36} {tpv:>13} {rec['tokens_per_s']:>9.1f} {rec['x_hf']:>6.2f} {calls or '-':>8} {st:>9} {ms}"
+              + (f" {rec['ops_per_token']:>9.0f}" if "ops_per_token" in rec else "")
               + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
         return rec["tokens_per_s"]
 
-    cases = single_cases(budgets)
-    batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes))]
+    cases = single_cases(budgets, args.depth_sweep)
+    batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes, default=0))]
     jobs = [(hf_generate, (model, prompts, new))]
-    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes))
-             for _, kind, topk, steps, nodes in cases]
-    jobs += [(hf_generate, (model, batch_prompts[: sizes[0]], batch_new))]
-    jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, 4, TREE_STEPS[8][1], 8)) for size in sizes]
+    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes, depth))
+             for _, kind, topk, steps, nodes, depth in cases]
+    if sizes:
+        jobs += [(hf_generate, (model, batch_prompts[: sizes[0]], batch_new))]
+        jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, *PRESET)) for size in sizes]
     results = iter(timed_rounds(args.repeats, jobs, log=lambda line: print(line, file=sys.stderr, flush=True)))
     want, secs = next(results)
-    hf_rate = report("HF generate (its own cache)", want, None, secs, want)
-    for label, *_ in cases:
-        (outs, rounds), secs = next(results)
-        report(label, outs, rounds, secs, want, hf_rate)
-    batch_want, secs = next(results)
-    batch_hf = report(f"HF generate, {batch_new} new", batch_want, None, secs, batch_want)
+    hf_rate = report("HF generate (its own cache)", want, None, secs, want, job=jobs[0])
+    for j, (label, *_) in enumerate(cases):
+        run, secs = next(results)
+        report(label, run.tokens, run, secs, want, hf_rate, job=jobs[1 + j])
+    if sizes:
+        batch_want, secs = next(results)
+        batch_hf = report(f"HF generate, {batch_new} new", batch_want, None, secs, batch_want)
     for size in sizes:
         want_b = hf_generate(model, batch_prompts[:size], batch_new)
-        (outs, rounds, calls), secs = next(results)
-        report(f"generate_batch x{size} tree topk4 N=8", outs, rounds, secs, want_b, batch_hf, calls)
+        run, secs = next(results)
+        report(f"generate_batch x{size} preset, adaptive", run.tokens, run, secs, want_b, batch_hf)
     print(json.dumps({"bench": "accept", "threads": torch.get_num_threads(), "quick": args.quick, "repeats": args.repeats,
                       "records": records}))
 

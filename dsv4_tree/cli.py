@@ -8,15 +8,16 @@ import time
 
 import torch
 
-from .config import MASK_MODES, SpecConfig
+from .config import DRAFT_DEPTHS, MASK_MODES, SpecConfig
 from .drafters import PlantedDrafter, TreeShape
 from .drafters.registry import DRAFTER_NAMES, resolve_drafter
 from .engine import Engine
 from .errors import Dsv4TreeError, InputError
-from .generate import resolve_sampling
+from .generate import GenerateStats, resolve_sampling
 from .model.adapter import load_model
 from .checkpoint.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
+from .round_stats import describe, end_round, note_round
 
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
 
@@ -65,6 +66,9 @@ def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
                         "min(2*num_steps + K, 1 + K + (num_steps-1)*K^2)")
     p.add_argument("--accept", choices=("greedy", "sampling"), default=None,
                    help="acceptance rule (SpecConfig.accept; default: the preset's, else greedy)")
+    p.add_argument("--draft-depth", choices=DRAFT_DEPTHS, default=None,
+                   help="draft_depth: adaptive (num_steps is a maximum; the MTP drafter stops when a step does not "
+                        "pay) or fixed (every round drafts num_steps); default adaptive for trees, fixed for chains")
     if mask_mode:
         p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
                        help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode) that --tensors-out saves")
@@ -78,8 +82,8 @@ def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
 
 
 # the default demo runs both, on the same prompt, at the same verify-row budget scale; the tree
-# is bench_accept's topk-4 N = 8 tree (2 steps: a third costs a draft pass for little more)
-DEMO_MODES = {"chain": SpecConfig(num_steps=3), "tree": SpecConfig(eagle_topk=4, num_steps=2, num_draft_tokens=8)}
+# is SGLang's default (configs/tree_topk4.toml): at most 5 steps, the depth chosen per round
+DEMO_MODES = {"chain": SpecConfig(num_steps=3), "tree": SpecConfig(eagle_topk=4, num_steps=5, num_draft_tokens=8)}
 
 
 def _spec_given(args) -> bool:
@@ -100,7 +104,7 @@ def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
         changes["eagle_topk"] = args.topk
     if args.num_steps is not None:
         changes["num_steps"] = args.num_steps
-    for flag in ("accept", "mask_mode"):
+    for flag in ("accept", "mask_mode", "draft_depth"):
         if getattr(args, flag, None) is not None:
             changes[flag] = getattr(args, flag)
     if args.num_draft_tokens is not None:
@@ -174,15 +178,19 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
             "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
-          f"num_draft_tokens={spec.num_draft_tokens} | prompt {prompt.numel()} tokens | drafter: {args.drafter} "
+          f"num_draft_tokens={spec.num_draft_tokens} draft_depth={spec.depth_mode} | prompt {prompt.numel()} tokens | "
+          f"drafter: {args.drafter} "
           f"({what[args.drafter]}) | accept={spec.accept}"
           + (f" temperature={temperature} top_p={args.top_p}" if temperature is not None else ""))
-    print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'accepted':>8} {'rel_err':>10} {'verify_ms':>9} {'ties':>4}")
+    print(f"{'round':>5} {'P':>6} {'nodes':>5} {'depth':>5} {'steps':>5} {'accepted':>8} {'rel_err':>10} "
+          f"{'draft_ms':>8} {'verify_ms':>9} {'ties':>4}")
     worst, emitted, t_verify, t_round = 0.0, 0, 0.0, 0.0
+    stats = GenerateStats()
     for rnd in range(args.rounds):
         t_start = time.perf_counter()
         tree = drafter.draft(engine, [req])[0]
         t0 = time.perf_counter()
+        dt_draft = t0 - t_start
         out = engine.verify([req], [tree])
         dt_verify = time.perf_counter() - t0
         t_verify += dt_verify
@@ -194,13 +202,16 @@ def _demo_run(model, spec, prompt, args) -> tuple:
             saved.append(engine.tree_tensors([req], [tree])._asdict())
         p = req.seq_len
         engine.commit([req], [acc], out)
+        end_round(drafter, [req])
         t_round += time.perf_counter() - t_start  # draft + verify + accept + commit, not the check
+        note_round(stats, drafter, dt_draft, dt_verify)
         ref = per_path_logits(model, req.tokens[:p], tree)
         err = relative_error(out.logits[0], ref)
         worst = max(worst, err)
         emitted += acc.num_accepted + 1
-        print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {acc.num_accepted:>8} {err:>10.2e} "
-              f"{1000 * dt_verify:>9.1f} {out.topk_ties:>4}")
+        steps = "-" if stats.draft_steps[-1] is None else stats.draft_steps[-1]
+        print(f"{rnd:>5} {p:>6} {tree.num_nodes:>5} {tree.max_depth:>5} {steps:>5} {acc.num_accepted:>8} {err:>10.2e} "
+              f"{1000 * dt_draft:>8.1f} {1000 * dt_verify:>9.1f} {out.topk_ties:>4}")
     if _is_bytes(model):
         from .train.corpus import decode
 
@@ -214,7 +225,8 @@ def _demo_run(model, spec, prompt, args) -> tuple:
           f"{emitted / t_round:.1f} tokens/s (whole rounds, without the check), worst relative error vs per-path "
           f"reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): {'PASS' if ok else 'FAIL'}; verify time "
           f"{t_verify:.2f} s. (ties: rows whose indexer top-k boundary was an exact or near tie, decided by the "
-          "documented tie rule, which the reference applies too)\n")
+          "documented tie rule, which the reference applies too)")
+    print(f"rounds: {describe(stats)}\n")
     return spec, emitted / args.rounds, emitted / t_round, ok
 
 
@@ -238,12 +250,14 @@ def cmd_generate(args) -> int:
     print(f"generated {len(res.tokens)} tokens in {st.rounds} verifies: "
           f"{st.mean_tokens_per_verify:.3f} tokens/verify, verify time {st.verify_seconds:.2f} s")
     print(f"accept-length histogram: {st.histogram}")
+    print(f"rounds: {describe(st)}")
     if _is_bytes(model):
         from .train.corpus import decode
 
         print("text: " + repr(decode(res.tokens)))
     print(json.dumps({"tokens": res.tokens, "mean_tokens_per_verify": st.mean_tokens_per_verify,
-                      "rounds": st.rounds, "histogram": st.histogram}))
+                      "rounds": st.rounds, "histogram": st.histogram, "draft_steps": st.draft_steps,
+                      "steps_allowed": st.steps_allowed}))
     return 0
 
 

@@ -12,6 +12,7 @@ MASK_MODES = ("FULL_MASK", "QLEN_ONLY", "QLEN_ONLY_BITPACKING")
 ATTENTION_BACKENDS = ("torch", "triton")
 ACCEPT_ALGORITHMS = ("greedy", "sampling")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+DRAFT_DEPTHS = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class SpecConfig:
                        to a power of two in pages) and, on CUDA, the table build and forward
                        replayed from one captured graph per bucket; 0 = eager, unpadded;
                        None (default) = max_requests on CUDA, 0 elsewhere.
+    draft_depth:       "adaptive": num_steps is a maximum and the MTP drafter decides per round
+                       whether one more draft step pays (measured costs, calibrated acceptance;
+                       design_notes/adaptive-depth.md); "fixed": every round drafts num_steps
+                       steps. None: adaptive for a tree (eagle_topk > 1), fixed for a chain.
+                       Both are exact (greedy output is the same); seeded sampling repeats
+                       draw for draw only with "fixed" (adaptive trees follow the clock).
     """
 
     eagle_topk: int = 1
@@ -52,6 +59,7 @@ class SpecConfig:
     max_requests: int = 16
     max_total_tokens: int | None = None
     cuda_graph_max_bs: int | None = None
+    draft_depth: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("eagle_topk", "num_steps", "prefill_chunk", "page_size", "max_requests",
@@ -70,6 +78,8 @@ class SpecConfig:
             not isinstance(self.max_total_tokens, int) or isinstance(self.max_total_tokens, bool)
         ):
             raise ConfigError(f"SpecConfig.max_total_tokens must be an int or None, got {self.max_total_tokens!r}")
+        if self.draft_depth is not None and self.draft_depth not in DRAFT_DEPTHS:
+            raise ConfigError(f"SpecConfig.draft_depth must be one of {DRAFT_DEPTHS} or None, got {self.draft_depth!r}")
         for name in ("mask_mode", "attention_backend", "accept", "kv_cache_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"SpecConfig.{name} must be a string, got {getattr(self, name)!r}")
@@ -90,6 +100,13 @@ class SpecConfig:
         if unknown:
             raise ConfigError(f"{path}: unknown SpecConfig field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+    @property
+    def depth_mode(self) -> str:
+        """draft_depth resolved: None -> "adaptive" for a tree, "fixed" for a chain."""
+        if self.draft_depth is not None:
+            return self.draft_depth
+        return "adaptive" if self.eagle_topk > 1 else "fixed"
 
     def replace(self, **changes) -> "SpecConfig":
         """A copy with `changes`, checked as SpecConfig(**fields) is. A chain's node count is

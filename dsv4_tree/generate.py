@@ -11,6 +11,7 @@ import torch
 from .drafters.registry import resolve_drafter
 from .errors import InputError
 from .progress import token_bar
+from .round_stats import end_round, note_round, timed_draft
 from .verify.accept import Acceptance
 
 
@@ -20,6 +21,12 @@ class GenerateStats:
     verify_seconds: float = 0.0  # wall time inside engine.verify
     rounds: int = 0
     preemptions: int = 0  # generate_batch: times the request was preempted for lack of pool pages
+    # per round (round_stats.py): draft call and engine.verify wall time, draft steps run
+    round_draft_seconds: list = field(default_factory=list)
+    round_verify_seconds: list = field(default_factory=list)
+    draft_steps: list = field(default_factory=list)  # None where the drafter has no steps
+    steps_allowed: int | None = None  # the drafter's num_steps (a maximum when adaptive)
+    depth: object = None  # drafters.depth.DepthState after the last round (adaptive MTP)
 
     @property
     def histogram(self) -> dict:
@@ -151,16 +158,20 @@ def fit_tree(tree, budget: int):
 def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_id, generator, bar) -> GenerateResult:
     stats, new = GenerateStats(), []
     while len(new) < max_new_tokens:
-        tree = fit_tree(drafter.draft(engine, [req])[0], max_new_tokens - len(new))
+        trees, draft_seconds = timed_draft(drafter, engine, [req])
+        tree = fit_tree(trees[0], max_new_tokens - len(new))
         t0 = time.perf_counter()
         out = engine.verify([req], [tree])
-        stats.verify_seconds += time.perf_counter() - t0
+        verify_seconds = time.perf_counter() - t0
+        stats.verify_seconds += verify_seconds
         if temperature is not None:
             acc = engine.accept_sampling([req], [tree], out, temperature, top_p, generator)[0]
         else:
             acc = engine.accept_greedy([req], [tree], out)[0]
         acc, emitted, stop = truncate(acc, acc.emitted(tree), max_new_tokens - len(new), eos_token_id)
         engine.commit([req], [acc], out)
+        end_round(drafter, [req])
+        note_round(stats, drafter, draft_seconds, verify_seconds)
         new.extend(emitted)
         stats.rounds += 1
         stats.accept_lengths.append(len(emitted))

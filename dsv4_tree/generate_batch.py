@@ -26,6 +26,7 @@ from .errors import InputError
 from .generate import (GenerateResult, GenerateStats, check_room, check_stop_args, eos_set, fit_tree,
                        resolve_sampling, truncate)
 from .progress import token_bar
+from .round_stats import end_round, note_round, timed_draft
 from .serving.allocator import PoolExhausted
 
 
@@ -140,7 +141,8 @@ def _admit(engine, queue, live) -> None:
 def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks) -> list:
     """One draft / verify / accept / commit round; the jobs that finished."""
     batch = [job.req for job in live]
-    trees = [fit_tree(t, job.left) for t, job in zip(drafter.draft(engine, batch), live)]
+    drafted, draft_seconds = timed_draft(drafter, engine, batch)
+    trees = [fit_tree(t, job.left) for t, job in zip(drafted, live)]
     t0 = time.perf_counter()
     out = engine.verify(batch, trees)
     seconds = time.perf_counter() - t0
@@ -156,12 +158,14 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks
         kept.append(acc)
         emitted_all.append((job, emitted, stop))
     engine.commit(batch, kept, out)
+    end_round(drafter, batch)
     for job, emitted, stop in emitted_all:
         res = job.result
         res.tokens.extend(emitted)
         res.stats.rounds += 1
         res.stats.accept_lengths.append(len(emitted))
         res.stats.verify_seconds += seconds
+        note_round(res.stats, drafter, draft_seconds, seconds)
         bar.update(len(emitted))
         finished = stop or job.left == 0
         if finished:

@@ -10,6 +10,9 @@ difference would send different shapes into the next collective (a hang, not an 
   sampled, and broadcasts it** (one small int64 tensor per accept call: path and bonus per
   request); the other ranks' draws are discarded. EOS and the token budget are cut from the
   emitted tokens, which are the tree's tokens on that path plus the bonus, so they agree too.
+* the draft depth. An adaptive drafter decides from its own clock whether one more draft
+  step pays; ranks time differently. **Rank 0 decides every step and broadcasts it** (one
+  int64 per decision, `agree_choice`), so every rank runs the same number of draft passes.
 * the inputs: prompts, and the trees a drafter builds from host reads of its logits. These
   are **checked, not broadcast**: one all-reduce per prefill / verify of a fingerprint (sizes
   and position-weighted sums); a mismatch raises StateError on every rank at once.
@@ -75,3 +78,12 @@ def agree_acceptances(model, trees, accs: list) -> list:
     rows = buf.cpu().tolist()
     return [Acceptance(tuple(row[2 : 2 + row[0]]), row[1], acc.request_id, acc.verify_id)
             for row, acc in zip(rows, accs)]
+
+
+def agree_choice(model, choice: int) -> int:
+    """Rank 0's `choice` (a small int) on every rank (the caller's own when not sharded)."""
+    if model.ranks is None:
+        return choice
+    buf = torch.tensor([choice], dtype=torch.int64).to(model.device)
+    dist.broadcast(buf, src=0, group=model.ranks)
+    return int(buf.cpu()[0])

@@ -106,7 +106,9 @@ def verify_and_commit(sharded, plain) -> dict:
 def generation(sharded, plain, rank: int, p: list) -> dict:
     es, ep = dt.Engine(sharded, SPEC), dt.Engine(plain, SPEC)
     greedy = es.generate(p, NEW_TOKENS, drafter="mtp")
-    sampling = SPEC.replace(accept="sampling")
+    # fixed depth: a seed repeats its draws only on the same trees, and adaptive trees follow
+    # each process's clock (design_notes/adaptive-depth.md)
+    sampling = SPEC.replace(accept="sampling", draft_depth="fixed")
     ss, sp = dt.Engine(sharded, sampling), dt.Engine(plain, sampling)
     draws = torch.rand(4).tolist()  # proves the ranks' global RNGs differ
     return {
@@ -122,6 +124,24 @@ def generation(sharded, plain, rank: int, p: list) -> dict:
         "batch": [r.tokens for r in es.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
         "batch_plain": [r.tokens for r in ep.generate_batch([p, p[:40]], [6, 9], drafter="mtp", eos_token_id=p[-1])],
     }
+
+
+def adaptive_depth(sharded, plain, rank: int, p: list) -> dict:
+    """Ranks whose own timings disagree: rank 1's policy is seeded with draft steps a billion
+    times dearer than a round's tokens (alone it would stop after step 1 every round), rank
+    0's with free steps. Rank 0 decides, so both run the same steps and the same trees."""
+    from dsv4_tree.drafters.base import TreeShape
+    from dsv4_tree.drafters.mtp import MtpDrafter
+
+    eng = dt.Engine(sharded, SPEC)
+    drafter = MtpDrafter(sharded, TreeShape.from_spec(SPEC), depth="adaptive")
+    step = 0.0 if rank == 0 else 1e9
+    drafter.policy.step_seconds.update({1: step})
+    drafter.policy.round_seconds.update({1: 1.0})
+    drafter.policy.round_tokens.update({1: 1.0})
+    out = eng.generate(p, NEW_TOKENS, drafter=drafter)
+    return {"adaptive_tokens": out.tokens, "adaptive_steps": out.stats.draft_steps,
+            "adaptive_plain": dt.Engine(plain, SPEC).generate(p, NEW_TOKENS, drafter="mtp").tokens}
 
 
 def divergence(sharded, rank: int) -> dict:
@@ -172,6 +192,8 @@ def main(out_dir: str, hf_dir: str, release_dir: str, trained_dir: str) -> None:
         if path == hf_dir:  # generation on the trained checkpoint, sharded the same way
             gen, p = dt.load_model(trained_dir, distributed_config=cfg), heldout_prompt(60, seed=1)
             res.update(generation(gen, plain[trained_dir], rank, p))
+            if name == "tp":
+                res.update(adaptive_depth(gen, plain[trained_dir], rank, p))
         else:
             res.update(generation(sharded, plain[path], rank, prompt(30, seed=3).tolist()))
         if name == "tp":

@@ -90,9 +90,13 @@ def test_bench_accept_small_run_matches_hf_in_every_case(capsys):
     assert out["repeats"] == 2
     cases = {r["case"]: r for r in out["records"]}
     assert {"no speculation (1-node chain)", "chain MTP N=4", "tree MTP N=4 topk 4",
-            "generate_batch x2 tree topk4 N=8"} <= set(cases)
+            "preset tree, adaptive (max 5)", "preset tree, fixed 5 steps", "generate_batch x2 preset, adaptive"} <= set(cases)
     assert all(r["output_equals_hf"] for r in out["records"]), out["records"]
     assert cases["no speculation (1-node chain)"]["tokens_per_verify"] == 1.0
+    assert cases["preset tree, fixed 5 steps"]["draft_steps_per_round"] == 5.0
+    adaptive = cases["preset tree, adaptive (max 5)"]
+    assert adaptive["steps_allowed"] == 5 and 1 <= adaptive["draft_steps_per_round"] <= 5
+    assert adaptive["draft_ms_per_round"] > 0 and adaptive["verify_ms_per_round"] > 0
 
 
 def test_bench_accept_timing_takes_the_fastest_and_refuses_changing_outputs():
@@ -120,3 +124,24 @@ def test_bench_hf_generate_small_run_is_identical_to_hf(capsys):
     cases = {r["case"]: r for r in out["records"]}
     assert cases["custom_generate"]["output_identical"] and cases["custom_generate, padded batch x2"]["output_identical"]
     assert out["cpu"] and all(r["tokens"] > 0 for r in out["records"])
+
+
+def test_bench_accept_counts_ops_per_token(capsys):
+    """--count-ops: every single-request case gets aten ops per generated token, and the count
+    is what OpCounter gives over the same job (fixed depth: the op sequence repeats exactly)."""
+    import dsv4_tree as dt
+    from dsv4_tree.diagnostics import OpCounter
+    from dsv4_tree.train.corpus import heldout_prompt
+
+    bench = _bench_accept()
+    bench.main(["--prompts", "1", "--prompt-len", "64", "--new-tokens", "6", "--budgets", "4",
+                "--batch-sizes", "", "--repeats", "1", "--count-ops"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "ops/token" in lines[1]
+    cases = {r["case"]: r for r in json.loads(lines[-1])["records"]}
+    assert all(r["ops_per_token"] > 0 for r in cases.values()), cases
+    model = dt.load_model(dt.trained_checkpoint())
+    eos = model.hf.generation_config.eos_token_id
+    with OpCounter() as ops:
+        run = bench.run_single(model, [heldout_prompt(64, 0)], 6, eos, "mtp", 1, 3, 4, "fixed")
+    assert cases["chain MTP N=4"]["ops_per_token"] == ops.total / len(run.tokens[0])

@@ -14,7 +14,9 @@ def test_demo_chain_and_tree(capsys):
     assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
     out = capsys.readouterr().out
     assert "rel_err" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
-    assert "topk=1 num_steps=3 num_draft_tokens=4" in out and "topk=4 num_steps=2 num_draft_tokens=8" in out
+    assert "topk=1 num_steps=3 num_draft_tokens=4 draft_depth=fixed" in out
+    assert "topk=4 num_steps=5 num_draft_tokens=8 draft_depth=adaptive" in out  # the preset tree
+    assert out.count("rounds: draft steps") == 2 and "of 5 per round" in out and "calibration by depth" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("compare: chain (topk=1 N=4)") and "| tree (topk=4 N=8)" in last
     assert last.count("PASS") == 2 and last.count("tokens/verify") == 2 and last.count("tokens/s") == 2
@@ -45,6 +47,8 @@ def test_generate_prints_stats_and_json(capsys):
     ids = _prompt(model, 64, 0)  # the command's default prompt (--prompt-len 64, --seed 0)
     assert data["tokens"] == hf_greedy(model, ids, 12)  # greedy speculation: the model's own greedy tokens
     assert data["rounds"] == sum(data["histogram"].values())
+    assert len(data["draft_steps"]) == data["rounds"] and 1 <= min(data["draft_steps"]) <= max(data["draft_steps"]) <= 3
+    assert data["steps_allowed"] == 3
     assert sum(int(k) * v for k, v in data["histogram"].items()) == 12
     assert default_tree_nodes(2, 3) == 8
 

@@ -102,6 +102,16 @@ def test_sampled_tokens_identical_on_every_rank(ranks, case):
         assert a["sampled_generator"] == a["sampled_plain_seed7"], case
 
 
+def test_adaptive_depth_is_rank_0s_choice(ranks):
+    """Rank 1's own costs would stop every draft after step 1; rank 0's run every step. The
+    ranks run rank 0's steps (more than 1 in some round), the same on both, and greedy output
+    equals the unsharded model's (a step run on one rank only would hang the next collective)."""
+    r0, r1 = ranks[0]["tp"], ranks[1]["tp"]
+    assert r0["adaptive_steps"] == r1["adaptive_steps"]
+    assert max(r1["adaptive_steps"]) > 1
+    assert r0["adaptive_tokens"] == r1["adaptive_tokens"] == r0["adaptive_plain"]
+
+
 def test_ranks_given_different_trees_or_prompts_fail_together(ranks):
     for r, res in enumerate(ranks):
         seen = res["tp"]["divergence"]

@@ -8,19 +8,28 @@ layer per step. Children are scored by cumulative probability and the best topk 
 next; organize_draft_results + build_tree (SGLang-compatible) give the verify trees.
 eagle_topk = 1 is the chain MTP drafter. The rows the target committed since the last draft
 (Request.new_hidden) enter the draft cache in step 0's pass (mtp_cache.root_step). Per-request state
-lives in `caches` until `release(req)` (Engine.release calls it)."""
+lives in `caches` until `release(req)` (Engine.release calls it).
+
+depth="adaptive": num_steps is a maximum; before each step s >= 1 `DepthPolicy.more` decides,
+for the whole batch, whether it pays (drafters/depth.py); a draft that stops with fewer
+candidates than num_draft_tokens - 1 gives trees of every candidate. `end_round(requests)`
+after commit feeds the policy its measurements. depth="fixed" always drafts num_steps."""
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import StateError
 from ..checkpoint.mtp import MtpBlock, load_mtp
+from ..config import DRAFT_DEPTHS
+from ..errors import ConfigError, StateError
+from ..ranks import agree_choice
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
+from .depth import DepthPolicy, DraftRound, candidate_depths
 from .mtp_cache import DraftCache, fold_back, root_step, window_index
 from .mtp_rows import MtpRows, draft_rows, head_logits, layer_rows
 
@@ -51,14 +60,37 @@ def _drop(drafter_ref, request_id: int) -> None:
         drafter.release_id(request_id)
 
 
+_STOPS = ("max", "exact", "cost")
+
+
+def _agreed_stop(model, stop: str | None) -> str:
+    """The policy's answer ("max" = run the step), rank 0's on every rank of a sharded model:
+    ranks time their steps differently, and a step one rank skips would hang the next collective."""
+    return _STOPS[agree_choice(model, _STOPS.index(stop or "max"))]
+
+
 class MtpDrafter:
-    def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False):
+    def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False,
+                 depth: str = "fixed", clock=time.perf_counter):
+        """depth: "fixed" | "adaptive" (drafter="mtp" by name takes SpecConfig.depth_mode, adaptive
+        for trees by default); clock: () -> seconds, the adaptive policy's timer."""
+        if depth not in DRAFT_DEPTHS:
+            raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS}, got {depth!r}")
         self.model = model
         self.mtp = mtp if mtp is not None else load_mtp(model)
         self.shape = shape
         self.record = record
+        self.depth = depth
+        self.policy = None if depth == "fixed" else DepthPolicy(shape.topk, shape.num_steps, shape.num_draft_tokens, clock)
+        self.last_round: DraftRound | None = None  # steps the last draft ran, and why it stopped
         self.caches: dict = {}  # request_id -> DraftCache
         self.records: dict = {}  # request_id -> DraftRecord of its last draft (record=True)
+
+    def end_round(self, requests) -> None:
+        """After commit of the last draft's trees: the adaptive policy learns what verify accepted
+        and how long the round took (generate / generate_batch call it)."""
+        if self.policy is not None:
+            self.policy.end_round(requests)
 
     def release(self, req) -> None:
         """Drop every per-request state of req (called by Engine.release)."""
@@ -83,6 +115,7 @@ class MtpDrafter:
 
     def draft(self, engine, requests) -> list:
         if self.shape.num_draft_tokens == 1:  # nothing to draft: the root alone
+            self.last_round = DraftRound(0, 0, "max")
             return [DraftTree.chain([r.root_token]) for r in requests]
         return self.expand(requests).trees
 
@@ -92,6 +125,9 @@ class MtpDrafter:
         model, w = self.model, self.model.window
         caches = self._caches(requests)
         b, dev = len(requests), model.device
+        policy = self.policy
+        if policy is not None:
+            policy.begin()
         # step 0, with the draft-extend of the rows committed since the last draft in the same pass
         step = root_step(model, caches, requests)
         e = step.num_pending  # the pending rows need only their K=V
@@ -113,7 +149,15 @@ class MtpDrafter:
         anc = (m + src).unsqueeze(2)  # [B, K, s] table ids of each frontier row's ancestors
         fparent = torch.zeros(b, k, dtype=torch.int64)  # frontier's parent in record numbering
         rec_parents = [torch.full((b, 1), -1, dtype=torch.int64)]
+        stop = "max"
+        if policy is not None:  # host copies of the pool, the frontier and its children's probabilities
+            pool, front, child = [fscore.cpu()], fscore.cpu(), fscore.cpu()
         for s in range(1, steps):
+            if policy is not None:
+                stop = _agreed_stop(model, policy.more(s, torch.cat(pool, 1), front, child))
+                if stop != "max":
+                    break
+                policy.step_begin()
             t = b * k
             m = table.shape[0]
             a = anc.reshape(t, s)
@@ -138,12 +182,22 @@ class MtpDrafter:
             anc = torch.cat([a[sel.reshape(-1)].view(b, k, s), (m + sel).unsqueeze(2)], 2)
             src = sel
             fparent = (1 + (s - 1) * k + chosen // k).cpu()
+            if policy is not None:
+                pool.append(flat.cpu())
+                front, child = fscore.cpu(), pc.cpu().view(b, k, k).mean(1)
+                policy.step_end(b)
+        self.last_round = DraftRound(len(score_list), steps, stop)
         if self.record:
             with torch.inference_mode(False):  # records are the caller's: ordinary tensors
                 self._record(requests, steps_rows, step_ids, rec_parents, k)
         cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
         score_list, token_list, parents_list = cpu(score_list), cpu(token_list), cpu(parents_list)
-        org = organize_draft_results(score_list, token_list, parents_list, n)
+        pool_size = sum(x[0].numel() for x in score_list)
+        org = organize_draft_results(score_list, token_list, parents_list, min(n, pool_size + 1))
+        if policy is not None:
+            flat_scores = torch.cat([x.reshape(b, -1) for x in score_list], 1)
+            policy.drafted(requests, flat_scores.gather(1, org.top_scores_index),
+                           candidate_depths(org.top_scores_index, k))
         # the trees build_tree's tensors describe (tests/test_mtp_incremental.py checks the two
         # agree), straight from the selection: SGLang's masks and links are not needed here
         parents = local_parents(org.parent_list, org.top_scores_index, k)

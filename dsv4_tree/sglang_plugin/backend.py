@@ -14,8 +14,9 @@ factory hooks when EAGLE topk > 1).
 * The C4 indexer (SGLang's) reads candidates through the page table: correct for rows whose
   branch entries are all at home slots; a verify where some row's branch entry is in scratch is
   refused with a StateError (per-branch indexer candidates are not implemented yet).
-* topk > 1 draft decode is refused with a StateError naming the step, never run with
-  chain-addressed plans that would mix siblings' state."""
+* Draft decode (the multi-step backend's step backends): `bs x topk` SWA-only rows per step,
+  each branch a chain over its own draft slots (`draft_metadata.py`); eager
+  `init_forward_metadata` keeps the batch's multi-step `out_cache_loc` for it."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +27,7 @@ from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from ..attention.backend import get_backend
 from ..errors import ConfigError, StateError
 from .compressor import tree_compress
+from .draft_metadata import draft_step_metadata
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
 from .scratch import ensure_scratch
 
@@ -79,6 +81,7 @@ class _TreeMixin:
         self.topk = int(real_get_spec().speculative_eagle_topk)
         self.mtp_enabled = True
         self._tree_spec_info = None
+        self._tree_draft_out_cache_loc = None
         _check_pool(self)
         self._tree_ops = get_backend(os.environ.get(OPS_ENV, "triton"))
         ensure_scratch(self.token_to_kv_pool, int(real_get_spec().speculative_num_draft_tokens))
@@ -102,10 +105,12 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         mode = dsv4._get_logical_forward_mode(forward_batch)
         self._tree_spec_info = forward_batch.spec_info if mode.is_target_verify() else None
+        self._tree_draft_out_cache_loc = forward_batch.out_cache_loc if mode.is_decode() else None
         try:
             super().init_forward_metadata(forward_batch)
         finally:
             self._tree_spec_info = None
+            self._tree_draft_out_cache_loc = None
 
     def make_forward_metadata_from_raw_verify(self, raw_metadata, online_c128_state_slot_offset: int = 0,
                                               graph_backed: bool = False):
@@ -141,10 +146,24 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
         return super().forward_c4_indexer(*args, **kwargs)
 
     def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
-        if out_cache_loc.shape[0] != req_pool_indices.shape[0]:
-            raise StateError(f"dsv4_tree: draft decode with topk={self.topk} ({out_cache_loc.shape[0]} rows for "
-                             f"{req_pool_indices.shape[0]} requests) is not implemented")
-        return super().init_forward_metadata_decode(max_seq_len, req_pool_indices, seq_lens, out_cache_loc)
+        """SGLang's raw decode record, with one write slot per branch (bs * topk) instead of
+        SGLang's one per request."""
+        bs = req_pool_indices.shape[0]
+        if seq_lens.shape[0] != bs or out_cache_loc.shape[0] != bs * self.topk:
+            raise StateError(f"dsv4_tree draft decode (EAGLE topk={self.topk}): {bs} requests need {bs} seq_lens "
+                             f"and {bs * self.topk} write slots (bs * topk), got {seq_lens.shape[0]} and "
+                             f"{out_cache_loc.shape[0]}")
+        return dsv4.DSV4RawDecodeMetadata(req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+                                          out_cache_loc=out_cache_loc)
+
+    def make_forward_metadata_from_raw_decode(self, raw_metadata):
+        out_cache_loc = self._tree_draft_out_cache_loc
+        want = raw_metadata.req_pool_indices.shape[0] * self.topk * self.speculative_num_steps
+        if out_cache_loc is None or out_cache_loc.shape[0] != want:
+            raise StateError(f"dsv4_tree draft decode (EAGLE topk={self.topk}): metadata needs the batch's multi-step "
+                             f"out_cache_loc of bs * topk * num_steps = {want} slots, got "
+                             f"{None if out_cache_loc is None else out_cache_loc.shape[0]}")
+        return draft_step_metadata(self, raw_metadata, out_cache_loc)
 
 
 class TreeDeepseekV4MultiStepBackend(_TreeMixin, dsv4.DeepseekV4MultiStepBackend):

@@ -199,17 +199,15 @@ def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no
 
     monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata", sglang_init)
     monkeypatch.setattr(dsv4, "_get_logical_forward_mode", lambda fb: fb.forward_mode)
-    verify = SimpleNamespace(is_target_verify=lambda: True)
-    batch = SimpleNamespace(forward_mode=verify, spec_info=SimpleNamespace(retrieve_next_token=rn,
-                                                                           retrieve_next_sibling=rs))
+    verify = SimpleNamespace(is_target_verify=lambda: True, is_decode=lambda: False)
+    batch = SimpleNamespace(forward_mode=verify, out_cache_loc=out_loc,
+                            spec_info=SimpleNamespace(retrieve_next_token=rn, retrieve_next_sibling=rs))
     be.init_forward_metadata(batch)
     assert be._tree_spec_info is None  # not kept past the call
     got, want = be.forward_metadata, tree_verify_metadata(stand_in, raw, rn, rs)
     assert isinstance(got, TreeDSV4Metadata)
     for f in ("swa_page_indices", "seq_lens_casual", "c4_out_loc", "c128_page_indices"):
         assert torch.equal(getattr(got.core_attn_metadata, f), getattr(want.core_attn_metadata, f)), f
-    decode = SimpleNamespace(is_target_verify=lambda: False)
+    extend = SimpleNamespace(is_target_verify=lambda: False, is_decode=lambda: False)
     with pytest.raises(StateError, match="without the batch's tree"):
-        be.init_forward_metadata(SimpleNamespace(forward_mode=decode, spec_info=None))
-    with pytest.raises(StateError, match="draft decode with topk=4"):
-        be.init_forward_metadata_decode(0, rpi, seq_lens, torch.zeros(8, dtype=torch.int64))
+        be.init_forward_metadata(SimpleNamespace(forward_mode=extend, spec_info=None, out_cache_loc=out_loc))

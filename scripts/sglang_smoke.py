@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""One-request smoke test of the dsv4_tree SGLang plug-in on a GPU machine.
+
+Runs the same greedy request through SGLang 0.5.23 twice on a DeepSeek-V4 checkpoint: once
+with EAGLE topk 1 (SGLang's own chain path, the baseline) and once with EAGLE topk K > 1 (the
+plug-in's tree path), and checks that the generated token ids are identical. Exit status: 0
+identical, 1 the outputs differ, 2 a launch or request failed (or bad arguments).
+
+Each configuration runs SGLang's offline engine (`sglang.Engine`, no HTTP server or port) in
+a fresh Python process of its own, started by this script: SGLang applies plug-ins once per
+process, and a process exit is the one sure way to hand all GPU memory back before the
+second launch. Both launches use the same arguments except the speculative ones, including
+`--disable-cuda-graph` (the tree path is eager only), so the baseline differs in topk alone.
+
+    python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8
+    python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8 --dry-run
+
+`--dry-run` prints both launches (command line, environment, engine arguments) and resolves
+their server arguments through SGLang's own pipeline with the plug-in loaded, which runs the
+plug-in's validator, without loading weights or needing a GPU (use `--device cpu` where
+there is none); it exits non-zero if either is refused."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT = "SMOKE_RESULT "
+DEFAULT_PROMPT = ("Explain, step by step, how a binary search tree keeps its keys ordered, how insertion and "
+                  "deletion work, and why a balanced tree answers lookups in logarithmic time.")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_path", help="a DeepSeek-V4 checkpoint directory (DeepseekV4ForCausalLM)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per launch)")
+    p.add_argument("--topk", type=int, default=4, help="EAGLE topk of the tree launch (> 1)")
+    p.add_argument("--num-steps", type=int, default=3, help="--speculative-num-steps of both launches")
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens of the tree launch")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch (loading included)")
+    p.add_argument("--dry-run", action="store_true", help="print the launches and resolve their arguments only")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: one launch, as JSON
+    a = p.parse_args(argv)
+    if a.child is None:
+        if a.topk <= 1:
+            p.error(f"--topk must be > 1 for the tree launch, got {a.topk}")
+        if a.num_steps < 1 or a.max_new_tokens < 1 or a.tp < 1:
+            p.error("--num-steps, --max-new-tokens and --tp must be positive")
+        if not (Path(a.model_path) / "config.json").is_file():
+            p.error(f"model_path {a.model_path!r} has no config.json")
+    return a
+
+
+def launches(a: argparse.Namespace) -> list[dict]:
+    """The two launches: name, sglang.Engine keyword arguments, environment additions."""
+    common = dict(model_path=a.model_path, tp_size=a.tp, device=a.device, speculative_algorithm="EAGLE",
+                  speculative_num_steps=a.num_steps, dsv4_attn_backend="flashmla", disable_cuda_graph=True,
+                  random_seed=0)
+    env = {"SGLANG_PLUGINS": "dsv4_tree"}  # SGLang's plug-in whitelist: this plug-in only
+    chain = dict(common, speculative_eagle_topk=1, speculative_num_draft_tokens=a.num_steps + 1)
+    tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens)
+    return [{"name": "topk 1 (SGLang's chain path)", "engine_kwargs": chain, "env": env},
+            {"name": f"topk {a.topk} (dsv4_tree tree path)", "engine_kwargs": tree, "env": env}]
+
+
+def sampling_params(a: argparse.Namespace) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": a.max_new_tokens}
+
+
+def child_command(a: argparse.Namespace, launch: dict) -> list[str]:
+    spec = {"engine_kwargs": launch["engine_kwargs"], "prompt": a.prompt, "sampling_params": sampling_params(a)}
+    return [sys.executable, os.path.abspath(__file__), a.model_path, "--child", json.dumps(spec)]
+
+
+def run_child(spec_json: str) -> None:
+    """One launch in this process: sglang.Engine, one request, one result line."""
+    spec = json.loads(spec_json)
+    import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dsv4_tree.sglang_plugin import HOOK_TARGETS
+
+    engine = sglang.Engine(**spec["engine_kwargs"])
+    try:
+        out = engine.generate(prompt=spec["prompt"], sampling_params=spec["sampling_params"])
+    finally:
+        engine.shutdown()
+    meta = out.get("meta_info", {})
+    print(RESULT + json.dumps({
+        "output_ids": out.get("output_ids"), "text": out.get("text"),
+        "hooks_applied": sorted(t for t in HOOK_TARGETS if t in HookRegistry._patched),
+        "spec": {k: v for k, v in meta.items() if k.startswith("spec_")}}), flush=True)
+
+
+def resolve(launch: dict) -> dict:
+    """SGLang's own server-argument resolution with the plug-in loaded (no weights)."""
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        args = ServerArgs(**launch["engine_kwargs"])
+        args.resolve_once()
+    except BaseException as exc:  # what SGLang's launcher would report
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    r = args.resolved_dict()
+    keys = ("speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "page_size",
+            "attention_backend", "dsv4_attn_backend", "disable_cuda_graph")
+    return {"ok": True, "resolved": {k: r.get(k) for k in keys}}
+
+
+def dry_run(a: argparse.Namespace) -> int:
+    plan = launches(a)
+    for launch in plan:
+        os.environ.update(launch["env"])
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()
+    report = []
+    for launch in plan:
+        res = resolve(launch)
+        report.append(dict(launch, command=child_command(a, launch), sampling_params=sampling_params(a), **res))
+        state = "accepted" if res["ok"] else "REFUSED: " + res["error"]
+        print(f"[dry-run] {launch['name']}: {state}", file=sys.stderr)
+    print(json.dumps({"launches": report}))
+    return 0 if all(r["ok"] for r in report) else 2
+
+
+def launch_once(a: argparse.Namespace, launch: dict, index: int) -> dict | None:
+    print(f"[{index}/2] {launch['name']}: starting SGLang (loads the checkpoint; can take minutes)", flush=True)
+    t0 = time.time()
+    try:
+        proc = subprocess.run(child_command(a, launch), env=dict(os.environ, **launch["env"]), capture_output=True,
+                              text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{index}/2] {launch['name']}: no result after {a.timeout:.0f} s", file=sys.stderr)
+        return None
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        print(f"[{index}/2] {launch['name']}: failed (exit {proc.returncode}); last output:\n"
+              f"{(proc.stdout + proc.stderr)[-4000:]}", file=sys.stderr)
+        return None
+    res = json.loads(lines[-1][len(RESULT):])
+    print(f"[{index}/2] {launch['name']}: {len(res['output_ids'] or [])} tokens in {time.time() - t0:.0f} s, "
+          f"speculative stats {res['spec']}, plug-in hooks applied: {len(res['hooks_applied'])}", flush=True)
+    return res
+
+
+def compare(chain: dict, tree: dict) -> int:
+    a, b = chain["output_ids"] or [], tree["output_ids"] or []
+    if not a or not b:
+        print(f"FAILED: no tokens generated (topk 1: {len(a)}, tree: {len(b)})", file=sys.stderr)
+        return 1
+    if a == b:
+        print(f"OK: greedy outputs identical ({len(a)} tokens)")
+        return 0
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    print(f"MISMATCH: greedy outputs differ at token {first} (topk 1: {len(a)} tokens, tree: {len(b)} tokens)\n"
+          f"  topk 1 ids[{first}:{first + 8}] = {a[first:first + 8]}\n  tree   ids[{first}:{first + 8}] = "
+          f"{b[first:first + 8]}\n  topk 1 text: {chain['text']!r}\n  tree   text: {tree['text']!r}", file=sys.stderr)
+    return 1
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.child is not None:
+        run_child(a.child)
+        return 0
+    if a.dry_run:
+        return dry_run(a)
+    results = []
+    for i, launch in enumerate(launches(a), 1):
+        res = launch_once(a, launch, i)
+        if res is None:
+            return 2
+        results.append(res)
+    return compare(*results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

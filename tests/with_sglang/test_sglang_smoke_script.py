@@ -1,0 +1,95 @@
+"""scripts/sglang_smoke.py without a GPU: its argument checks, the two launches it builds (same
+arguments but topk and draft-token count), that SGLang's own server-argument resolution with
+the plug-in loaded (so the plug-in's validator) accepts both in its --dry-run and refuses a
+configuration outside the validator, and its output comparison."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugin_probe import dsv4_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "sglang_smoke.py"
+SPECULATIVE = {"speculative_eagle_topk", "speculative_num_draft_tokens"}
+
+
+def smoke_module():
+    spec = importlib.util.spec_from_file_location("sglang_smoke", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def dry_run(model: str, *extra: str):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("SGLANG_PLUGINS", None)
+    out = subprocess.run([sys.executable, str(SCRIPT), model, "--dry-run", "--device", "cpu", *extra], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    return out.returncode, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return dsv4_dir(str(tmp_path_factory.mktemp("smoke")))
+
+
+def test_dry_run_launches_pass_sglang_resolution(model):
+    rc, report, err = dry_run(model, "--tp", "1", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8")
+    assert rc == 0, err[-3000:]
+    chain, tree = report["launches"]
+    ck, tk = chain["engine_kwargs"], tree["engine_kwargs"]
+    assert (ck["speculative_eagle_topk"], ck["speculative_num_draft_tokens"]) == (1, 4)
+    assert (tk["speculative_eagle_topk"], tk["speculative_num_draft_tokens"]) == (4, 8)
+    same = {k: v for k, v in ck.items() if k not in SPECULATIVE}
+    assert same == {k: v for k, v in tk.items() if k not in SPECULATIVE}
+    assert (same["disable_cuda_graph"], same["dsv4_attn_backend"], same["model_path"]) == (True, "flashmla", model)
+    for launch, topk, n in ((chain, 1, 4), (tree, 4, 8)):
+        assert launch["ok"], launch
+        r = launch["resolved"]
+        assert (r["speculative_eagle_topk"], r["speculative_num_draft_tokens"], r["page_size"]) == (topk, n, 256)
+        assert (r["attention_backend"], r["dsv4_attn_backend"], r["disable_cuda_graph"]) == ("dsv4", "flashmla", True)
+        assert launch["env"] == {"SGLANG_PLUGINS": "dsv4_tree"}
+        cmd = launch["command"]
+        assert cmd[1] == str(SCRIPT) and cmd[2] == model and cmd[3] == "--child"
+        child = json.loads(cmd[4])
+        assert child["engine_kwargs"] == launch["engine_kwargs"]
+        assert child["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 200}  # greedy
+
+
+def test_dry_run_refuses_what_the_validator_refuses(model):
+    rc, report, _ = dry_run(model, "--num-draft-tokens", "16")
+    chain, tree = report["launches"]
+    assert rc == 2 and chain["ok"] and not tree["ok"]
+    assert tree["error"].startswith("ConfigError") and "--speculative-num-draft-tokens" in tree["error"]
+
+
+def test_arguments_are_checked(tmp_path, capsys):
+    mod = smoke_module()
+    (tmp_path / "config.json").write_text("{}")
+    a = mod.parse_args([str(tmp_path)])
+    assert (a.tp, a.topk, a.num_steps, a.num_draft_tokens, a.dry_run) == (1, 4, 3, 8, False)
+    for bad, named in ((["--topk", "1"], "--topk must be > 1"), (["--num-steps", "0"], "--num-steps"),
+                       (["--max-new-tokens", "0"], "--max-new-tokens")):
+        with pytest.raises(SystemExit) as exc:
+            mod.parse_args([str(tmp_path), *bad])
+        assert exc.value.code == 2 and named in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.parse_args([str(tmp_path / "missing")])
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_compare_reports_the_first_difference(capsys):
+    mod = smoke_module()
+    assert mod.compare({"output_ids": [1, 2, 3], "text": "a"}, {"output_ids": [1, 2, 3], "text": "a"}) == 0
+    assert "identical (3 tokens)" in capsys.readouterr().out
+    assert mod.compare({"output_ids": [1, 2, 3], "text": "a"}, {"output_ids": [1, 5, 3], "text": "b"}) == 1
+    assert "differ at token 1" in capsys.readouterr().err
+    assert mod.compare({"output_ids": [1, 2], "text": "a"}, {"output_ids": [1, 2, 3], "text": "b"}) == 1
+    assert "differ at token 2" in capsys.readouterr().err
+    assert mod.compare({"output_ids": [], "text": ""}, {"output_ids": [], "text": ""}) == 1
+    assert "no tokens generated" in capsys.readouterr().err
