@@ -20,7 +20,12 @@ generate_batch runs the preset tree, adaptive.
 --count-ops runs each single-request case once more under dsv4_tree.diagnostics.OpCounter and
 adds aten ops per generated token: on a CPU at these sizes a step's time is mostly per-op
 overhead, and an op count does not move with the machine's load, so it backs up a tokens/s
-ratio measured on a busy machine (its run is not timed)."""
+ratio measured on a busy machine (its run is not timed). An adaptive case's counted run
+chooses its own depths (on a clock slowed by the counting), so its steps per round are
+printed with the policy's state below the table.
+
+--device / --dtype run the model elsewhere (e.g. `--device cuda --dtype bfloat16`: the
+CUDA comparison, steps chosen reported); HF generate runs on the same device and dtype."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +59,7 @@ class Run(NamedTuple):
     allowed: int | None  # steps allowed per round
     draft_seconds: float  # over every round of every prompt (a batch round counted once)
     verify_seconds: float
+    depth: object = None  # the adaptive policy's DepthState after the run (None: fixed depth)
 
 
 def single_cases(budgets, depth_sweep: bool = False) -> list:
@@ -76,7 +82,7 @@ def hf_generate(model, prompts, new_tokens):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
+            ids = model.hf.generate(torch.tensor([p], device=model.device), max_new_tokens=new_tokens, do_sample=False)
             outs.append(ids[0, len(p) :].tolist())
     return outs
 
@@ -87,7 +93,7 @@ def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes, depth=
     st = [r.stats for r in results]
     rounds = sum(x.rounds for x in st)
     return Run([r.tokens for r in results], rounds, rounds, [s for x in st for s in x.draft_steps], st[0].steps_allowed,
-               sum(sum(x.round_draft_seconds) for x in st), sum(sum(x.round_verify_seconds) for x in st))
+               sum(sum(x.round_draft_seconds) for x in st), sum(sum(x.round_verify_seconds) for x in st), st[-1].depth)
 
 
 def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes, depth="adaptive"):
@@ -97,7 +103,7 @@ def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes, depth="adapti
     # per-round lists hold every batch round (the batch's draft steps and times)
     longest = max((r.stats for r in results), key=lambda x: x.rounds)
     return Run([r.tokens for r in results], sum(r.stats.rounds for r in results), longest.rounds, longest.draft_steps,
-               longest.steps_allowed, sum(longest.round_draft_seconds), sum(longest.round_verify_seconds))
+               longest.steps_allowed, sum(longest.round_draft_seconds), sum(longest.round_verify_seconds), longest.depth)
 
 
 def timed_rounds(repeats, jobs, log=None):
@@ -139,6 +145,9 @@ def main(argv=None):
                     "(default: --new-tokens)")
     ap.add_argument("--quick", action="store_true", help="1 prompt x 48 new tokens; batches of 32 new tokens")
     ap.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest is reported")
+    ap.add_argument("--device", default=None, help="where the model runs (default: the loader's, the CPU)")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="the model's dtype (default: the checkpoint's, fp32)")
     ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
                     "per single-request case)")
     args = ap.parse_args(argv)
@@ -150,19 +159,27 @@ def main(argv=None):
     batch_new = 32 if args.quick else (args.batch_new_tokens or new)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     budgets = [int(x) for x in args.budgets.split(",")]
-    model = dt.load_model(dt.trained_checkpoint())
+    model = dt.load_model(dt.trained_checkpoint(), device=args.device,
+                          dtype=None if args.dtype is None else getattr(torch, args.dtype))
     eos = model.hf.generation_config.eos_token_id
     prompts = [heldout_prompt(args.prompt_len, seed) for seed in range(n_prompts)]
-    print(f"machine: {platform.machine()} CPU, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
-          f"fp32; {n_prompts} held-out prompts x {new} new bytes, greedy; generate_batch: {batch_new} new bytes each")
+    where = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
+             else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads")
+    print(f"machine: {where}; torch {torch.__version__}; {str(model.dtype).removeprefix('torch.')}; {n_prompts} held-out prompts x {new} new bytes, greedy; generate_batch: {batch_new} new bytes each")
     print(f"{'case':<36} {'tokens/verify':>13} {'tokens/s':>9} {'x HF':>6} {'verifies':>8} {'steps':>9} "
           f"{'draft_ms':>8} {'verify_ms':>9}" + (f" {'ops/token':>9}" if args.count_ops else ""))
     records = []
 
     def count_ops(fn, fargs):
+        """(ops per token, mean draft steps of the counted run or None)."""
         with OpCounter() as ops:
             outs = fn(*fargs)
-        return ops.total / sum(len(o) for o in (outs.tokens if isinstance(outs, Run) else outs))
+        if not isinstance(outs, Run):
+            return ops.total / sum(len(o) for o in outs), None
+        steps = [s for s in outs.steps if s is not None]
+        return ops.total / sum(len(o) for o in outs.tokens), (sum(steps) / len(steps) if steps else None)
+
+    policies = []
 
     def report(label, outs, run, secs, want, hf_rate=None, job=None):
         tokens = sum(len(o) for o in outs)
@@ -176,7 +193,11 @@ def main(argv=None):
                "verify_ms_per_round": 1e3 * run.verify_seconds / calls if run else None}
         rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
         if args.count_ops and job is not None:
-            rec["ops_per_token"] = count_ops(*job)
+            rec["ops_per_token"], rec["ops_run_steps"] = count_ops(*job)
+        if run is not None and run.depth is not None:
+            rec["calibration"] = list(run.depth.calibration)
+            rec["step_ms"] = {b: 1e3 * s for b, s in run.depth.step_seconds.items()}
+            policies.append((label, rec))
         records.append(rec)
         tpv = "-" if rounds is None else f"{rec['tokens_per_verify']:.3f}"
         st = f"{rec['draft_steps_per_round']:.2f}/{run.allowed}" if steps else "-"
@@ -207,6 +228,12 @@ def main(argv=None):
         want_b = hf_generate(model, batch_prompts[:size], batch_new)
         run, secs = next(results)
         report(f"generate_batch x{size} preset, adaptive", run.tokens, run, secs, want_b, batch_hf)
+    for label, rec in policies:  # the adaptive policy's state at the end of each adaptive case's fastest run
+        steps = " ".join(f"b{b} {ms:.2f}" for b, ms in rec["step_ms"].items())
+        line = f"policy, {label}: calibration by depth {' '.join(f'{c:.2f}' for c in rec['calibration'])}; step ms {steps}"
+        if rec.get("ops_run_steps") is not None:
+            line += f"; its ops/token run drafted {rec['ops_run_steps']:.2f} steps per round"
+        print(line)
     print(json.dumps({"bench": "accept", "threads": torch.get_num_threads(), "quick": args.quick, "repeats": args.repeats,
                       "records": records}))
 

@@ -17,7 +17,7 @@ from .generate import GenerateStats, resolve_sampling
 from .model.adapter import load_model
 from .checkpoint.tiny import trained_checkpoint
 from .reference.per_path import per_path_logits, relative_error
-from .round_stats import describe, end_round, note_round
+from .round_stats import describe, end_round, note_round, timed_verify
 
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
 
@@ -189,10 +189,8 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     for rnd in range(args.rounds):
         t_start = time.perf_counter()
         tree = drafter.draft(engine, [req])[0]
-        t0 = time.perf_counter()
-        dt_draft = t0 - t_start
-        out = engine.verify([req], [tree])
-        dt_verify = time.perf_counter() - t0
+        dt_draft = time.perf_counter() - t_start
+        out, dt_verify = timed_verify(engine, [req], [tree])
         t_verify += dt_verify
         if temperature is None:
             acc = engine.accept_greedy([req], [tree], out)[0]

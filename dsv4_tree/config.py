@@ -45,6 +45,8 @@ class SpecConfig:
                        steps. None: adaptive for a tree (eagle_topk > 1), fixed for a chain.
                        Both are exact (greedy output is the same); seeded sampling repeats
                        draw for draw only with "fixed" (adaptive trees follow the clock).
+                       It steers the drafter that drafts in steps (MTP); the n-gram, planted
+                       and user drafters build their trees in one go and ignore it.
     """
 
     eagle_topk: int = 1

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -11,7 +10,7 @@ import torch
 from .drafters.registry import resolve_drafter
 from .errors import InputError
 from .progress import token_bar
-from .round_stats import end_round, note_round, timed_draft
+from .round_stats import end_round, note_round, timed_draft, timed_verify
 from .verify.accept import Acceptance
 
 
@@ -160,9 +159,7 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
     while len(new) < max_new_tokens:
         trees, draft_seconds = timed_draft(drafter, engine, [req])
         tree = fit_tree(trees[0], max_new_tokens - len(new))
-        t0 = time.perf_counter()
-        out = engine.verify([req], [tree])
-        verify_seconds = time.perf_counter() - t0
+        out, verify_seconds = timed_verify(engine, [req], [tree])
         stats.verify_seconds += verify_seconds
         if temperature is not None:
             acc = engine.accept_sampling([req], [tree], out, temperature, top_p, generator)[0]
@@ -170,7 +167,7 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
             acc = engine.accept_greedy([req], [tree], out)[0]
         acc, emitted, stop = truncate(acc, acc.emitted(tree), max_new_tokens - len(new), eos_token_id)
         engine.commit([req], [acc], out)
-        end_round(drafter, [req])
+        end_round(drafter, [req], cut=[req.request_id] if stop or tree.num_nodes < trees[0].num_nodes else [])
         note_round(stats, drafter, draft_seconds, verify_seconds)
         new.extend(emitted)
         stats.rounds += 1

@@ -16,7 +16,6 @@ Scheduling (design_notes/generation.md, "generate_batch scheduling"):
 Greedy results equal per-prompt `generate` token for token (tests/test_generate_batch.py)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ from .errors import InputError
 from .generate import (GenerateResult, GenerateStats, check_room, check_stop_args, eos_set, fit_tree,
                        resolve_sampling, truncate)
 from .progress import token_bar
-from .round_stats import end_round, note_round, timed_draft
+from .round_stats import end_round, note_round, timed_draft, timed_verify
 from .serving.allocator import PoolExhausted
 
 
@@ -143,9 +142,7 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks
     batch = [job.req for job in live]
     drafted, draft_seconds = timed_draft(drafter, engine, batch)
     trees = [fit_tree(t, job.left) for t, job in zip(drafted, live)]
-    t0 = time.perf_counter()
-    out = engine.verify(batch, trees)
-    seconds = time.perf_counter() - t0
+    out, seconds = timed_verify(engine, batch, trees)
     if hooks is not None:
         accs = hooks.accept([job.index for job in live], batch, trees, out)
     elif temperature is not None:
@@ -158,7 +155,8 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks
         kept.append(acc)
         emitted_all.append((job, emitted, stop))
     engine.commit(batch, kept, out)
-    end_round(drafter, batch)
+    cut = [job.req.request_id for (job, _, stop), t, d in zip(emitted_all, trees, drafted) if stop or t.num_nodes < d.num_nodes]
+    end_round(drafter, batch, cut)
     for job, emitted, stop in emitted_all:
         res = job.result
         res.tokens.extend(emitted)

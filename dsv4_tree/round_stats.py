@@ -6,6 +6,23 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+
+def settle(device) -> None:
+    """Wait for the device's queued work, so a clock read after it times the work, not its
+    launch (engine.verify returns logits still on the device; on a CPU nothing is queued)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_verify(engine, requests, trees) -> tuple:
+    """(VerifyOutput, seconds) of one verify call, the device's work included."""
+    t0 = time.perf_counter()
+    out = engine.verify(requests, trees)
+    settle(engine.model.device)
+    return out, time.perf_counter() - t0
+
 
 def timed_draft(drafter, engine, requests) -> tuple:
     """(trees, seconds) of one draft call."""
@@ -14,11 +31,13 @@ def timed_draft(drafter, engine, requests) -> tuple:
     return trees, time.perf_counter() - t0
 
 
-def end_round(drafter, requests) -> None:
-    """After commit: a drafter with end_round(requests) learns what this round did."""
+def end_round(drafter, requests, cut=()) -> None:
+    """After commit: a drafter with end_round(requests, cut) learns what this round did; `cut`
+    holds the ids of requests whose round was cut short of its draft (tree trimmed to the token
+    budget, emission cut at EOS or the budget)."""
     hook = getattr(drafter, "end_round", None)
     if callable(hook):
-        hook(requests)
+        hook(requests, cut)
 
 
 def note_round(stats, drafter, draft_seconds: float, verify_seconds: float) -> None:
@@ -29,7 +48,7 @@ def note_round(stats, drafter, draft_seconds: float, verify_seconds: float) -> N
     last = getattr(drafter, "last_round", None)
     stats.draft_steps.append(None if last is None else last.steps)
     if last is not None:
-        stats.steps_allowed = getattr(drafter, "shape").num_steps
+        stats.steps_allowed = last.allowed
     policy = getattr(drafter, "policy", None)
     if policy is not None:
         stats.depth = policy.state()

@@ -1,6 +1,10 @@
 """Sampling stays lossless with adaptive draft depth: on the trees the adaptive MTP drafter
 builds (cut after step 1 with 5 nodes, priced in between, the cold start), emitted
-tokens follow the target distribution (chi-square, as tests/test_sampling.py)."""
+tokens follow the target distribution (chi-square, as tests/test_sampling.py).
+
+The chi-square runs recursive rejection sampling (`sample_path`) many times on each tree the
+policy chose: losslessness holds per fixed tree, and the policy fixes the tree before the
+round's draws (design_notes/adaptive-depth.md), so per-tree is what has to be shown."""
 import torch
 
 import dsv4_tree as dt
@@ -48,7 +52,7 @@ def trees_by_depth(monkeypatch):
 def test_sampled_tokens_follow_the_target_on_adaptive_trees(monkeypatch):
     eng, cases = trees_by_depth(monkeypatch)
     steps = {case: last.steps for case, (_, last, _) in cases.items()}
-    assert steps["cut after step 1"] == 1 and steps["cold"] > 1 and 1 <= steps["middle"] <= 5, steps
+    assert steps["cut after step 1"] == 1 and steps["cold"] > 1 and 1 < steps["middle"] < 5, steps
     assert cases["cut after step 1"][0].num_nodes == 5  # only the root's 4 children were drafted
     ps = {}
     for case, (tree, _, req) in cases.items():

@@ -31,6 +31,7 @@ import torch
 TIME_DECAY = 0.8  # weight of the old estimate per new timing sample (recent rounds count most)
 MASS_DECAY = 0.98  # per round, on the calibration sums (slow: acceptance is a noisy 0/1 signal)
 PRIOR_MASS = 1.0  # score mass of the prior: depth d starts at depth d-1's calibration (d=1: 1.0)
+REMEASURE_ROUNDS = 32  # a step not run for this many rounds at a batch size runs once, to re-time it
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class DepthPolicy:
     accepted_mass: list = field(default_factory=list)  # per depth
     predicted_mass: list = field(default_factory=list)
     rounds_observed: int = 0
+    step_timed_at: dict = field(default_factory=dict)  # batch size -> rounds_observed when last timed
     _pending: _Pending | None = None
     _start: float = 0.0  # clock at the current draft's start
     _step_start: float = 0.0
@@ -123,6 +125,8 @@ class DepthPolicy:
         cost, per_token = self.step_seconds.get(b), self._seconds_per_token(b)
         if cost is None or per_token is None:
             return None  # not measured at this batch size yet: run it (and measure it)
+        if self.rounds_observed - self.step_timed_at.get(b, 0) >= REMEASURE_ROUNDS:
+            return None  # its timing is stale (the machine's load or the batch mix moved): re-time it
         return None if self.gain(pool, frontier, child_probs, step + 1) * per_token > cost else "cost"
 
     def _seconds_per_token(self, b: int) -> float | None:
@@ -139,6 +143,7 @@ class DepthPolicy:
 
     def step_end(self, b: int) -> None:
         _decay(self.step_seconds, b, self.clock() - self._step_start)
+        self.step_timed_at[b] = self.rounds_observed
 
     def drafted(self, requests, selected, depths) -> None:
         """selected [B, M] scores of the chosen candidates, depths [B, M] (1-based)."""
@@ -146,8 +151,11 @@ class DepthPolicy:
         mass.scatter_add_(1, depths - 1, selected.double())
         self._pending = _Pending(self._start, [r.request_id for r in requests], [r.seq_len for r in requests], mass)
 
-    def end_round(self, requests) -> None:
-        """After commit: learn from the requests of the last draft (others are ignored)."""
+    def end_round(self, requests, cut=()) -> None:
+        """After commit: learn from the requests of the last draft (others are ignored). `cut`:
+        ids of requests whose round was cut short of its draft (the tree trimmed to the token
+        budget, the emission cut at EOS or the budget): their tokens count toward the round's
+        time per token, but not toward calibration (drafted mass they could never accept)."""
         pend, self._pending = self._pending, None
         if pend is None:
             return
@@ -163,9 +171,12 @@ class DepthPolicy:
         b = len(pend.request_ids)
         _decay(self.round_seconds, b, now - pend.start)
         _decay(self.round_tokens, b, sum(committed) * b / len(keep))
+        cut = set(cut)
+        whole = [(i, c) for (i, _), c in zip(seen, committed) if pend.request_ids[i] not in cut]
+        rows = [i for i, _ in whole]
         for d in range(self.num_steps):
-            self.accepted_mass[d] = MASS_DECAY * self.accepted_mass[d] + sum(c - 1 > d for c in committed)
-            self.predicted_mass[d] = MASS_DECAY * self.predicted_mass[d] + float(pend.mass[keep, d].sum())
+            self.accepted_mass[d] = MASS_DECAY * self.accepted_mass[d] + sum(c - 1 > d for _, c in whole)
+            self.predicted_mass[d] = MASS_DECAY * self.predicted_mass[d] + float(pend.mass[rows, d].sum())
         self.rounds_observed += 1
 
     def state(self) -> DepthState:

@@ -86,11 +86,11 @@ class MtpDrafter:
         self.caches: dict = {}  # request_id -> DraftCache
         self.records: dict = {}  # request_id -> DraftRecord of its last draft (record=True)
 
-    def end_round(self, requests) -> None:
+    def end_round(self, requests, cut=()) -> None:
         """After commit of the last draft's trees: the adaptive policy learns what verify accepted
         and how long the round took (generate / generate_batch call it)."""
         if self.policy is not None:
-            self.policy.end_round(requests)
+            self.policy.end_round(requests, cut)
 
     def release(self, req) -> None:
         """Drop every per-request state of req (called by Engine.release)."""
