@@ -91,5 +91,18 @@ def test_compare_reports_the_first_difference(capsys):
     assert "differ at token 1" in capsys.readouterr().err
     assert mod.compare({"output_ids": [1, 2], "text": "a"}, {"output_ids": [1, 2, 3], "text": "b"}) == 1
     assert "differ at token 2" in capsys.readouterr().err
-    assert mod.compare({"output_ids": [], "text": ""}, {"output_ids": [], "text": ""}) == 1
+    assert mod.compare({"output_ids": [], "text": ""}, {"output_ids": [], "text": ""}) == 2  # a failed request
     assert "no tokens generated" in capsys.readouterr().err
+
+
+def test_compare_tells_a_near_tie_from_a_real_difference(capsys):
+    """At the first differing token the topk 1 run's top-2 log-probabilities decide: within
+    NEAR_TIE nats -> 3 (bf16 rounding of other kernel shapes can swap them), else 1."""
+    mod = smoke_module()
+    top2 = lambda gap: [[[-0.1, 1], [-2.0, 9]], [[-0.5, 2], [-0.5 - gap, 5]], [[-0.1, 3], [-3.0, 4]]]  # noqa: E731
+    near = {"output_ids": [1, 2, 3], "text": "a", "top2": top2(0.5 * mod.NEAR_TIE)}
+    far = {"output_ids": [1, 2, 3], "text": "a", "top2": top2(4 * mod.NEAR_TIE)}
+    other = {"output_ids": [1, 5, 3], "text": "b"}
+    assert mod.compare(near, other) == 3 and "NEAR TIE" in capsys.readouterr().err
+    assert mod.compare(far, other) == 1 and "not a near tie" in capsys.readouterr().err
+    assert mod.top2_margin(far, 1) == pytest.approx(4 * mod.NEAR_TIE) and mod.top2_margin(far, 7) is None
