@@ -198,8 +198,9 @@ def test_draft_branches_equal_their_chains(monkeypatch, no_flashmla_schedule, le
 @given(lens=st.lists(st.one_of(BOUNDARY, st.integers(1, 900)), min_size=1, max_size=3), topk=st.integers(2, 4),
        steps=st.integers(2, 5), seed=st.integers(0, 2**16), flip=st.booleans())
 def test_draft_branches_equal_their_chains_random(lens, topk, steps, seed, flip):
-    dsv4._create_flashmla_metadata = lambda: None  # see conftest: an opaque CUDA handle, no field reads it
     with pytest.MonkeyPatch.context() as mp:
+        # see conftest: an opaque CUDA handle, no field reads it (undone when the example ends)
+        mp.setattr(dsv4, "_create_flashmla_metadata", lambda: None)
         order = list(range(len(lens), 0, -1)) if flip else None
         check_draft_case(mp, lens, topk, steps, seed, rpi_order=order)
 
