@@ -17,7 +17,7 @@ if sys.argv[1] == "1":
     block()
 mods = ["dsv4_tree", "dsv4_tree.tree", "dsv4_tree.serving", "dsv4_tree.serving.tables", "dsv4_tree.serving.swa_table",
         "dsv4_tree.reference", "dsv4_tree.kernels", "dsv4_tree.sglang_plugin", "dsv4_tree.sglang_plugin.tables",
-        "dsv4_tree.sglang_plugin.draft_tables",
+        "dsv4_tree.sglang_plugin.draft_tables", "dsv4_tree.sglang_plugin.branch_candidates",
         "dsv4_tree.sglang_plugin.validate", "dsv4_tree.verify", "dsv4_tree.errors"]
 for m in mods:
     importlib.import_module(m)

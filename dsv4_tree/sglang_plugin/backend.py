@@ -11,9 +11,11 @@ factory hooks when EAGLE topk > 1).
   its own path (`compressor.py`), with dsv4-tree's branch compressor; the ops come from
   `DSV4_TREE_SGLANG_OPS` ("triton", the default, or "torch"). The pool's C4 / C128 entry
   buffers are grown by the scratch slots at construction (`scratch.py`).
-* The C4 indexer (SGLang's) reads candidates through the page table: correct for rows whose
-  branch entries are all at home slots; a verify where some row's branch entry is in scratch is
-  refused with a StateError (per-branch indexer candidates are not implemented yet).
+* The C4 indexer on tree metadata (`indexer.py`): per-branch candidates. SGLang's own logits
+  call over the page table, the same function over each row's scratch pages, the row's scratch
+  blocks' scores spliced in, SGLang's top-k transform, then each selected branch block remapped
+  to its own entry's slot (home or scratch) for the sparse attention. A chain's rows get SGLang's
+  result unchanged.
 * Draft decode (the multi-step backend's step backends): `bs x topk` SWA-only rows per step,
   each branch a chain over its own draft slots (`draft_metadata.py`); eager
   `init_forward_metadata` keeps the batch's multi-step `out_cache_loc` for it."""
@@ -28,6 +30,7 @@ from ..attention.backend import get_backend
 from ..errors import ConfigError, StateError
 from .compressor import tree_compress
 from .draft_metadata import draft_step_metadata
+from .indexer import tree_c4_indexer
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
 from .scratch import ensure_scratch
 
@@ -136,14 +139,11 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
 
     forward_indexer_compressor = forward_core_compressor
 
-    def forward_c4_indexer(self, *args, **kwargs):
+    def forward_c4_indexer(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs):
         meta = getattr(self, "forward_metadata", None)
-        if isinstance(meta, TreeDSV4Metadata) and \
-                bool((meta.tree.c4_branch >= self.token_to_kv_pool.dsv4_tree_scratch.start[4]).any()):
-            raise StateError("dsv4_tree tree verify: C4 indexer candidates from scratch entries (a row whose path "
-                             "closed a C4 block at a node that is not the first at its depth) are not implemented: "
-                             "SGLang's indexer would read the page table's home entry, a sibling's")
-        return super().forward_c4_indexer(*args, **kwargs)
+        if not isinstance(meta, TreeDSV4Metadata) or forward_batch.forward_mode.is_idle():
+            return super().forward_c4_indexer(x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+        return tree_c4_indexer(self, meta, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
 
     def init_forward_metadata_decode(self, max_seq_len, req_pool_indices, seq_lens, out_cache_loc):
         """SGLang's raw decode record, with one write slot per branch (bs * topk) instead of

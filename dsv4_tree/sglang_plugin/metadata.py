@@ -13,17 +13,21 @@ from typing import Optional
 import torch
 from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import BuildPageTablePositions
 from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
 
 from ..errors import StateError
+from .branch_candidates import scratch_index_pages
 from .scratch import TreeScratch
 from .tables import TreeVerifyTables, build_tree_verify_tables, tree_c128_page_indices
 
 
 @dataclass
 class TreeDSV4Metadata(dsv4.DSV4Metadata):
-    """SGLang's DSV4Metadata plus the tree tables its write side (compressor, indexer branch
-    candidates, commit) reads."""
+    """SGLang's DSV4Metadata plus the tree tables its write side (compressor, commit) and the
+    tree indexer read; branch_indexer: the indexer metadata of each row's scratch pages
+    (`indexer.py`), None without C4 layers."""
     tree: Optional[TreeVerifyTables] = None
+    branch_indexer: Optional[PagedIndexerMetadata] = None
 
 
 def tree_scratch(pool, window: int) -> TreeScratch:
@@ -77,4 +81,20 @@ def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next
     indexer = backend.init_forward_metadata_indexer(core) if backend.has_c4 else None
     # Compressor plans (c4 / c128_compress_metadata) are per-branch writes: SGLang's
     # position-addressed plans collide for siblings, so none is attached here.
-    return TreeDSV4Metadata(core, indexer, tree=tables)
+    return TreeDSV4Metadata(core, indexer, tree=tables,
+                            branch_indexer=branch_indexer_metadata(backend, tables, scratch, indexer))
+
+
+def branch_indexer_metadata(backend, tables: TreeVerifyTables, scratch: TreeScratch,
+                            indexer: Optional[PagedIndexerMetadata]) -> Optional[PagedIndexerMetadata]:
+    """SGLang's PagedIndexerMetadata (its DeepGEMM schedule included) for scoring every row's query
+    against its request's scratch pages (`branch_candidates.scratch_index_pages`), page-table
+    width as SGLang's indexer's."""
+    if indexer is None:
+        return None
+    page = indexer.compressed_page_size
+    table, lens = scratch_index_pages(tables.req_pool_indices_repeated, scratch.start[4], scratch.per_request,
+                                      scratch.start[4] + scratch.slots - 1, page, indexer.page_table.shape[1])
+    return PagedIndexerMetadata(page_size=indexer.page_size, compressed_page_size=page, page_table=table,
+                                compressed_seq_lens=lens, use_topk_v2=False,
+                                force_deep_gemm_metadata=indexer.force_deep_gemm_metadata)

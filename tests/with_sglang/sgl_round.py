@@ -49,9 +49,9 @@ class NodeInputs:
 class Case:
     """Two pools with the same random committed state (tree run, chain run), one layout."""
 
-    def __init__(self, lens, gen, n: int):
-        self.req_to_token, self.mapping = layout(lens, n, gen, extra_rows=1, max_len=1024)
-        pages = self.req_to_token.shape[0] * 4 + 1
+    def __init__(self, lens, gen, n: int, max_len: int = 1024):
+        self.req_to_token, self.mapping = layout(lens, n, gen, extra_rows=1, max_len=max_len)
+        pages = self.req_to_token.shape[0] * (max_len // 256) + 1
         self.pools = []
         for _ in range(2):
             pool = make_pool(pages, self.req_to_token.shape[0], self.mapping)

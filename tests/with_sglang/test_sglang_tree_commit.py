@@ -13,7 +13,7 @@ from dsv4_tree.sglang_plugin import commit as commit_mod
 from dsv4_tree.sglang_plugin import install_move_kv_cache
 from dsv4_tree.sglang_plugin.scratch import pool_layers
 from plugin_probe import dsv4_dir
-from sgl_cases import layout, sglang_tree
+from sgl_cases import sglang_tree
 from sgl_pool import published_context, snapshot
 from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, depth_of, differing, greedy_accept,
                        verify_writes, window_mask)
@@ -52,15 +52,18 @@ def one_round(case: Case, rpi, lens, topk, steps, n, gen, ops, last_child=False)
     _, rn, rs = sglang_tree(bs, topk, steps, n, seq_lens, gen)
     inputs = NodeInputs.draw(bs * n, case.comps, gen)
     before = snapshot(case.tree_pool)
-    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
-                               case.comps, ops)
+    out_loc, meta = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
+                                  case.comps, ops)
     accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, last_child), steps)
     commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, accept_index, accept_lens)
     paths = accepted_nodes(accept_index, accept_lens, n)
     for b, path in enumerate(paths):
         chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
                     inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
-    return paths, before, inputs, rn, rs
+    # C4 blocks closed at nodes other than the first at their depth: entries in scratch (the tree
+    # indexer's branch candidates, test_sglang_tree_indexer.py)
+    scratch_c4 = int((meta.tree.c4_out_loc >= case.tree_pool.dsv4_tree_scratch.start[4]).sum())
+    return paths, before, inputs, rn, rs, scratch_c4
 
 
 def check_round(case: Case, rpi, lens, paths, before, n, label):
@@ -79,9 +82,11 @@ def test_full_round_equals_the_chain_run_of_the_accepted_path(context, no_flashm
     lens, topk, steps, n = [125, 381], 3, 3, 8
     case = Case(lens, gen, n)
     rpi = torch.tensor([2, 1], dtype=torch.int32)  # row 3 is a request outside the batch
-    paths, before, inputs, rn, rs = one_round(case, rpi, lens, topk, steps, n, gen, get_backend(ops), last_child=True)
+    paths, before, inputs, rn, rs, scratch_c4 = one_round(case, rpi, lens, topk, steps, n, gen, get_backend(ops),
+                                                          last_child=True)
     label = f"{ops=} {lens=} {paths=}"
     assert any(a != d for path in paths for d, a in enumerate(path)), f"{label}: no sibling accepted"
+    assert scratch_c4, f"{label}: no C4 entry closed at a non-first node"
     check_round(case, rpi, lens, paths, before, n, label)
     # non-vacuous: the committed SWA records are the accepted nodes' own records
     swa = pool_layers(case.tree_pool)[0].swa
@@ -102,11 +107,14 @@ def test_rounds_in_a_row_cross_c4_and_c128_blocks(context, no_flashmla_schedule)
     case = Case(lens, gen, N_MAX)
     rpi = torch.tensor([1, 2], dtype=torch.int32)
     ops = get_backend("torch")
+    scratch_rounds = 0
     for r, (topk, steps) in enumerate([(2, 3), (4, 2), (3, 3), (2, 4), (4, 3), (3, 2)]):
-        paths, before, *_ = one_round(case, rpi, lens, topk, steps, n, gen, ops)
+        paths, before, *_, scratch_c4 = one_round(case, rpi, lens, topk, steps, n, gen, ops)
         check_round(case, rpi, lens, paths, before, n, f"round {r} {topk=} {steps=} {lens=} {paths=}")
         lens = [p + len(path) for p, path in zip(lens, paths)]
+        scratch_rounds += scratch_c4 > 0
     assert lens[0] > 128 and lens[1] > 256, lens  # the rounds crossed a C128 block in both requests
+    assert scratch_rounds >= 3, scratch_rounds  # most rounds closed C4 blocks at non-first nodes
 
 
 def _tree_ready(case, gen, lens, rpi, n, topk=3, steps=3):
@@ -170,38 +178,6 @@ def test_a_commit_that_is_not_a_path_is_refused_before_any_write(context, no_fla
         commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, bad, torch.tensor([2, 1], dtype=torch.int32))
     nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
     assert differing(snapshot(case.tree_pool), before, nothing) == {}
-
-
-def test_indexer_refuses_rows_whose_branch_entries_are_in_scratch(monkeypatch, no_flashmla_schedule):
-    """SGLang's C4 indexer reads candidates through the page table (home slots): the tree backend
-    lets it run when every row's branch C4 entries are homes (a chain), and refuses otherwise."""
-    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
-
-    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
-    from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
-    from sgl_cases import StandIn
-    from sgl_round import chain_links
-
-    gen = torch.Generator().manual_seed(3)
-    lens, n = [125], 8
-    req_to_token, mapping = layout(lens, n, gen)
-    sb = StandIn(req_to_token, mapping, n)
-    be = object.__new__(TreeDeepseekV4AttnBackend)
-    be.token_to_kv_pool = sb.token_to_kv_pool
-    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "forward_c4_indexer", lambda self, *a, **k: "sglang's")
-    seq_lens, rpi = torch.tensor(lens, dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
-    out_loc = req_to_token[1, lens[0]:lens[0] + n].to(torch.int64)
-    raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
-    be.forward_metadata = tree_verify_metadata(sb, raw, *chain_links(n))
-    assert be.forward_c4_indexer() == "sglang's"
-    # 0 -> {1, 2}; 1 -> {3}; 2 -> {4}; 3 -> {5, 6}; 4 -> {7}: node 4 is the second node at the closing
-    # depth (125 + 2 + 1 = 128), so its entry is in scratch, and rows 4 and 7 read it
-    nxt = torch.tensor([[1, 3, 4, 5, 7, -1, -1, -1]])
-    sib = torch.tensor([[-1, 2, -1, -1, -1, 6, -1, -1]])
-    be.forward_metadata = tree_verify_metadata(sb, raw, nxt, sib)
-    assert bool((be.forward_metadata.tree.c4_branch >= sb.token_to_kv_pool.dsv4_tree_scratch.start[4]).any())
-    with pytest.raises(StateError, match="C4 indexer candidates from scratch"):
-        be.forward_c4_indexer()
 
 
 def test_move_kv_cache_on_its_own(context, monkeypatch):
