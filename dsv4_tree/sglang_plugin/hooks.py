@@ -54,6 +54,9 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
         unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
         ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=draft_token_capacity(n),
+        pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
+        hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
+        disaggregation_mode=str(cfg.disaggregation_mode or "null"),
     )
 
 
