@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import StateError
+from ..errors import ConfigError, StateError
 from .pool_bytes import StateRows, UndoLog, move_records
 from .scratch import RATIOS, pool_layers
 from .tables import first_at_depth, parents_from_retrieve, depths
@@ -109,11 +109,32 @@ def clear_state_rows(log: UndoLog, rows: StateRows, which: torch.Tensor) -> None
     log.write(rows.flat(), rows.element_index(which), empty.expand(which.numel(), -1))
 
 
+def check_move_allowed(pool) -> None:
+    """ConfigError unless `move_kv_cache` moves everything a slot owns on this pool (see there)."""
+    if getattr(pool, "dsv4_tree_scratch", None) is None:
+        raise ConfigError("dsv4_tree move_kv_cache: this DeepSeekV4TokenToKVPool was not prepared by the tree "
+                          "backend (no dsv4_tree_scratch; SGLang 0.5.23's pool has no move_kv_cache): only EAGLE "
+                          "topk > 1 tree verify moves DeepSeek-V4 KV slots")
+    if getattr(pool, LOG_ATTR, None) is None:
+        ratios = sorted({lb.ratio for lb in pool_layers(pool) if lb.ratio in RATIOS})
+        if ratios:
+            raise ConfigError(f"dsv4_tree move_kv_cache: outside the tree commit on a pool with compressed "
+                              f"layers (ratios {ratios}): it would move SWA records and C4 state rows but not "
+                              f"the entries and C128 state rows (only _finalize_accept_tree_path's commit does)")
+
+
 def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """`DeepSeekV4TokenToKVPool.move_kv_cache` (SGLang 0.5.23 has none; `register()` sets it):
     copy the slot-keyed records of full slots src_loc [n] over tgt_loc [n]: SWA K=V records and
     C4 state rows. Pairs with tgt == src (SGLang's zero padding) are no-ops. Inside a commit the
-    writes join its undo log; alone, a failure restores what this call wrote."""
+    writes join its undo log; alone, a failure restores what this call wrote.
+
+    Only pools the tree backend prepared (`pool.dsv4_tree_scratch`) have it: SGLang 0.5.23's other
+    callers (the NGRAM worker, the pipeline-parallel relay) found none before the plug-in and get a
+    ConfigError instead of a partial move. Outside the tree commit it runs only on a pool without
+    C4 / C128 layers (the draft pool, for `duplicate_prefix_tail_to_draft_branches`): elsewhere
+    the entries and C128 state rows, which only the commit moves, would stay behind."""
+    check_move_allowed(pool)
     tgt, src = tgt_loc.to(torch.int64).view(-1), src_loc.to(torch.int64).view(-1)
     keep = tgt != src
     tgt, src = tgt[keep], src[keep]
