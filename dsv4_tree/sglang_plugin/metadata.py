@@ -17,6 +17,7 @@ from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
 
 from ..errors import StateError
 from .branch_candidates import scratch_index_pages
+from .commit import check_no_pending_commit
 from .scratch import TreeScratch
 from .tables import TreeVerifyTables, build_tree_verify_tables, tree_c128_page_indices
 
@@ -70,6 +71,7 @@ def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next
                          retrieve_next_sibling: torch.Tensor) -> TreeDSV4Metadata:
     """The full metadata of one tree verify from SGLang's raw verify record and the tree."""
     pool = backend.token_to_kv_pool
+    check_no_pending_commit(pool, "a tree verify")
     scratch = tree_scratch(pool, int(retrieve_next_token.shape[1]))
     tables = build_tree_verify_tables(
         req_to_token=backend.req_to_token, full_to_swa_index_mapping=pool.full_to_swa_index_mapping,

@@ -16,7 +16,7 @@ from plugin_probe import dsv4_dir
 from sgl_cases import sglang_tree
 from sgl_pool import published_context, snapshot
 from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, depth_of, differing, greedy_accept,
-                       verify_writes, window_mask)
+                       random_targets, tree_ready, verify_writes, window_mask)
 
 N_MAX = 10
 
@@ -26,22 +26,6 @@ def context(tmp_path_factory):
     with published_context(dsv4_dir(str(tmp_path_factory.mktemp("models"))), N_MAX):
         install_move_kv_cache()
         yield
-
-
-def random_targets(rn, rs, gen, last_child: bool):
-    """target_child [bs, N]: per node one of its children (the last one when last_child, so
-    siblings other than the first get accepted), or -1 now and then."""
-    from dsv4_tree.sglang_plugin.tables import parents_from_retrieve
-
-    parents = parents_from_retrieve(rn, rs)
-    bs, n = parents.shape
-    out = torch.full((bs, n), -1, dtype=torch.int64)
-    for b in range(bs):
-        for i in range(n):
-            kids = [j for j in range(n) if int(parents[b, j]) == i]
-            if kids and float(torch.rand(1, generator=gen)) < 0.85:
-                out[b, i] = kids[-1] if last_child else kids[int(torch.randint(len(kids), (1,), generator=gen))]
-    return out
 
 
 def one_round(case: Case, rpi, lens, topk, steps, n, gen, ops, last_child=False):
@@ -117,24 +101,13 @@ def test_rounds_in_a_row_cross_c4_and_c128_blocks(context, no_flashmla_schedule)
     assert scratch_rounds >= 3, scratch_rounds  # most rounds closed C4 blocks at non-first nodes
 
 
-def _tree_ready(case, gen, lens, rpi, n, topk=3, steps=3):
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    _, rn, rs = sglang_tree(len(lens), topk, steps, n, seq_lens, gen)
-    inputs = NodeInputs.draw(len(lens) * n, case.comps, gen)
-    ops = get_backend("torch")
-    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
-                               case.comps, ops)
-    accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, True), steps)
-    return seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs
-
-
 @pytest.mark.parametrize("fail_at", [2, 4, 7])  # 1-4: the hook's entry / C128 moves; 5-9: move_kv_cache's
 def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_schedule, monkeypatch, fail_at):
     gen = torch.Generator().manual_seed(37)
     lens, n = [126, 382], 8
     case = Case(lens, gen, n)
     rpi = torch.tensor([1, 2], dtype=torch.int32)
-    seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs = _tree_ready(case, gen, lens, rpi, n)
+    seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs = tree_ready(case, gen, lens, rpi, n)
     before = snapshot(case.tree_pool)
     real, calls = commit_mod.move_records, []
 
@@ -161,20 +134,3 @@ def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_sche
         chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
                     inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
     check_round(case, rpi, lens, paths, before, n, f"retry after {fail_at=} {paths=}")
-
-
-def test_a_commit_that_is_not_a_path_is_refused_before_any_write(context, no_flashmla_schedule):
-    gen = torch.Generator().manual_seed(41)
-    lens, n = [60, 127], 6
-    case = Case(lens, gen, n)
-    rpi = torch.tensor([1, 2], dtype=torch.int32)
-    seq_lens, rn, rs, out_loc, accept_index, accept_lens, _ = _tree_ready(case, gen, lens, rpi, n, 2, 3)
-    depth = depth_of(rn, rs)
-    deep = int((depth[0] == 2).nonzero()[0])  # a depth-2 node where depth 1 belongs
-    bad = accept_index.clone()
-    bad[0, 1] = deep
-    before = snapshot(case.tree_pool)
-    with pytest.raises(StateError, match="not a root-first path"):
-        commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, bad, torch.tensor([2, 1], dtype=torch.int32))
-    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
-    assert differing(snapshot(case.tree_pool), before, nothing) == {}
