@@ -115,3 +115,29 @@ def test_pools_the_tree_backend_did_not_prepare_get_sglangs_cleanup(context):
     plain = type("Pool", (), {})()
     hooks.around_clear_unaccepted_c128_draft_states(lambda pool, *a: calls.append((pool, a)), plain, 1, 2, 3, 4)
     assert calls == [(plain, (1, 2, 3, 4))] and not hasattr(plain, "dsv4_tree_commit_pending")
+
+
+def test_the_commit_plan_and_its_moves_are_fixed_shape(ready):
+    """No nonzero, boolean-mask indexing or scalar read while planning and applying the tree
+    commit's own moves (the path check's one `.tolist()` is the only host read, not dispatched on
+    CPU); the result equals the commit run without the guard."""
+    from dsv4_tree.diagnostics import forbid_host_sync
+    from dsv4_tree.sglang_plugin.commit import apply_tree_commit, c128_ring_size, plan_tree_commit
+    from dsv4_tree.sglang_plugin.pool_bytes import UndoLog
+
+    case, rpi, seq_lens, rn, rs, out_loc, accept_index, accept_lens, n = ready
+    pool = case.tree_pool
+    kw = dict(req_pool_indices=rpi, seq_lens=seq_lens, retrieve_next_token=rn, retrieve_next_sibling=rs,
+              out_cache_loc=out_loc, accept_index=accept_index, accept_lens=accept_lens,
+              scratch=pool.dsv4_tree_scratch, c128_ring=c128_ring_size(pool))
+    before = snapshot(pool)
+    log = UndoLog()
+    with forbid_host_sync():
+        plan = plan_tree_commit(**kw)
+        apply_tree_commit(log, pool, plan)
+    guarded = snapshot(pool)
+    log.rollback()
+    assert differing(snapshot(pool), before, unchanged(before)) == {}
+    apply_tree_commit(UndoLog(), pool, plan_tree_commit(**kw))
+    assert differing(snapshot(pool), guarded, unchanged(guarded)) == {}
+    assert differing(guarded, before, unchanged(before)) != {}  # it moved something
