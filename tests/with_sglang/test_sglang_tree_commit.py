@@ -101,6 +101,22 @@ def test_rounds_in_a_row_cross_c4_and_c128_blocks(context, no_flashmla_schedule)
     assert scratch_rounds >= 3, scratch_rounds  # most rounds closed C4 blocks at non-first nodes
 
 
+def test_rounds_in_a_row_at_the_ring_bound_with_the_triton_compressor(context, no_flashmla_schedule):
+    """N = 10, SGLang's bound for its C4 state ring under speculation (16 rows per SWA page): the
+    rows a window writes never alias a row the next block still reads, round after round; the
+    branch compressor is the Triton kernel (interpreter)."""
+    gen = torch.Generator().manual_seed(29)
+    lens, n = [117, 247], N_MAX
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([2, 1], dtype=torch.int32)
+    ops = get_backend("triton")
+    for r, (topk, steps) in enumerate([(3, 3), (2, 4), (4, 3), (3, 4)]):
+        paths, before, *_ = one_round(case, rpi, lens, topk, steps, n, gen, ops, last_child=r % 2 == 0)
+        check_round(case, rpi, lens, paths, before, n, f"round {r} {topk=} {steps=} {lens=} {paths=}")
+        lens = [p + len(path) for p, path in zip(lens, paths)]
+    assert lens[0] >= 128 and lens[1] >= 256, lens  # a C128 block closed in both requests
+
+
 @pytest.mark.parametrize("fail_at", [2, 4, 7])  # 1-4: the hook's entry / C128 moves; 5-9: move_kv_cache's
 def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_schedule, monkeypatch, fail_at):
     gen = torch.Generator().manual_seed(37)
