@@ -18,7 +18,9 @@ nodes) would share rows. Here, per call (one layer, one compressor):
 3. Every node's raw `kv_score` row is then written to a state row of its own: C4 at SGLang's
    row for the node's token slot (distinct per node), C128 at `req * ring + (P + i) % ring` (the
    node's slot index i, not its depth). Commit moves accepted rows to their depth's rows.
-Reading before writing keeps step 1 independent of what step 3 overwrites."""
+Reading before writing keeps step 1 independent of what step 3 overwrites. No host read: the
+closing rows (`tables.c4_closing` / `c128_closing`) and the ancestor table are computed once per
+verify with the tables (`tables.closing_rows`), not per layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass

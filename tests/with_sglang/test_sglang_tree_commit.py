@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from dsv4_tree.attention.backend import get_backend
-from dsv4_tree.errors import StateError
 from dsv4_tree.sglang_plugin import commit as commit_mod
 from dsv4_tree.sglang_plugin import install_move_kv_cache
 from dsv4_tree.sglang_plugin.scratch import pool_layers
 from plugin_probe import dsv4_dir
 from sgl_cases import sglang_tree
 from sgl_pool import published_context, snapshot
-from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, depth_of, differing, greedy_accept,
+from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, differing, greedy_accept,
                        random_targets, tree_ready, verify_writes, window_mask)
 
 N_MAX = 10
