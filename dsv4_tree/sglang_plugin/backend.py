@@ -32,7 +32,7 @@ from .compressor import tree_compress
 from .draft_metadata import draft_step_metadata
 from .indexer import tree_c4_indexer
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
-from .scratch import ensure_scratch
+from .scratch import check_no_cached_addresses, ensure_scratch
 
 OPS_ENV = "DSV4_TREE_SGLANG_OPS"  # the branch compressor's implementation: "triton" (default) or "torch"
 
@@ -74,6 +74,9 @@ def _check_pool(backend) -> None:
             or getattr(pool, "unified_kv_pool", None) is not None:
         raise ConfigError("dsv4_tree tree verify needs SGLang's paged SWA pool (no request window, SWA ring or "
                           "unified KV pool)")
+    if getattr(backend, "hisparse_coordinator", None) is not None:
+        raise ConfigError("dsv4_tree tree verify: HiSparse (--enable-hisparse, hisparse_coordinator) is not supported")
+    check_no_cached_addresses(pool)
     if backend.low_ratios:
         raise ConfigError(f"dsv4_tree tree verify: low-ratio compressed layers {backend.low_ratios} "
                           f"(DeepSeek-V4.1) are not supported")

@@ -20,42 +20,97 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import StateError
+from ..errors import ConfigError, StateError
 from .pool_bytes import StateRows, UndoLog, move_records
 from .scratch import RATIOS, pool_layers
 from .tables import first_at_depth, parents_from_retrieve, depths
 
 LOG_ATTR = "dsv4_tree_commit_log"
+PENDING_ATTR = "dsv4_tree_commit_pending"  # SGLang's C128 cleanup was skipped; the tree commit must follow
+
+
+def defer_c128_cleanup(pool) -> None:
+    """SGLang's `clear_unaccepted_c128_draft_states` on a tree pool: skipped (it clears C128 ring
+    rows by node number, wiping accepted nodes' rows before they move) because the tree commit,
+    which SGLang runs next in the same verify (`_finalize_accept_tree_path`), clears the rejected
+    rows itself. The skip is recorded on the pool and the commit consumes it; a second cleanup, or
+    a tree verify, while one is recorded means the commit never ran (a verify path without
+    `finalize_tree_path`): StateError, before anything is written, rather than a pool whose
+    accepted path was never moved and whose rejected C128 rows were never cleared."""
+    check_no_pending_commit(pool, "SGLang's C128 cleanup (clear_unaccepted_c128_draft_states)")
+    setattr(pool, PENDING_ATTR, True)
+
+
+def take_deferred_cleanup(pool) -> None:
+    """The tree commit (the `_finalize_accept_tree_path` hook, on entry) takes over the recorded skip."""
+    setattr(pool, PENDING_ATTR, False)
+
+
+def check_no_pending_commit(pool, what: str) -> None:
+    if getattr(pool, PENDING_ATTR, False):
+        raise StateError(f"dsv4_tree: {what} with the previous verify's tree commit still pending: SGLang's C128 "
+                         f"cleanup was skipped for it and _finalize_accept_tree_path never ran (a verify path "
+                         f"with finalize_tree_path=False, e.g. --enable-multi-layer-eagle, is not supported)")
 
 
 @dataclass(frozen=True)
 class TreeCommitPlan:
-    """Moves of one commit, for all requests at once."""
-    entry_src: dict  # ratio -> [K] entry slots verify wrote the accepted blocks' entries to
-    entry_dst: dict  # ratio -> [K] their committed homes
-    c128_src: torch.Tensor  # [M] C128 state rows (request rings) of accepted nodes
-    c128_dst: torch.Tensor  # [M]
-    c128_clear: torch.Tensor  # [R] C128 state rows of positions P + L .. P + N - 1
+    """Moves of one commit, for all requests at once, fixed-shape (no host read to build it):
+    pairs that move nothing are src == dst no-ops on slots no real pair writes."""
+    entry_src: dict  # ratio -> [bs * S] entry slots verify wrote the accepted blocks' entries to
+    entry_dst: dict  # ratio -> [bs * S] their committed homes
+    c128_src: torch.Tensor  # [bs * S] C128 state rows (request rings) of accepted nodes
+    c128_dst: torch.Tensor  # [bs * S]
+    c128_rows: torch.Tensor  # [bs * N] C128 state rows of positions P .. P + N - 1
+    c128_clear: torch.Tensor  # [bs * N] bool: cleared (positions P + L .. P + N - 1)
+
+
+def check_accept_path(accept_index, accept_lens, parents, depth) -> torch.Tensor:
+    """StateError (naming the field and the bound) unless, for every request b, accept_lens[b] is
+    in [1, S] and the first accept_lens[b] entries of accept_index[b] are b's own node ids
+    (b*N .. b*N + N - 1, N the window) forming a root-first path: entry d at depth d, its parent
+    entry d - 1. One host read for all checks. -> local node ids [bs, S] (padding entries: 0)."""
+    bs, n = depth.shape
+    S = accept_index.shape[1]
+    dev = depth.device
+    L = accept_lens.to(torch.int64).view(bs, 1)
+    d = torch.arange(S, device=dev).view(1, S)
+    valid = d < L
+    local = accept_index.to(torch.int64) - torch.arange(bs, device=dev).view(bs, 1) * n
+    in_window = (local >= 0) & (local < n)
+    node = torch.where(valid & in_window, local, torch.zeros_like(local))
+    prev = torch.cat([torch.full_like(node[:, :1], -1), node[:, :-1]], dim=1)
+    checks = (
+        ((L < 1) | (L > S)).any(),
+        (valid & ~in_window).any(),
+        (valid & (depth.gather(1, node) != d)).any(),
+        (valid & (d >= 1) & (parents.gather(1, node) != prev)).any(),
+    )
+    failed = torch.stack(checks).tolist()  # the commit's one host read
+    if any(failed):
+        what = (f"accept_lens must be in [1, {S}] (accept_index's width)",
+                f"accept_index[b, :accept_lens[b]] must be request b's own node ids b*{n} .. b*{n}+{n - 1}",
+                "accept_index[b, d] must be a node at depth d",
+                "accept_index[b, d]'s parent must be accept_index[b, d-1]")[failed.index(True)]
+        raise StateError(f"dsv4_tree commit: accept_index is not a root-first path of the verified tree: {what} "
+                         f"(accept_index {accept_index.tolist()}, accept_lens {accept_lens.tolist()})")
+    return node
 
 
 def plan_tree_commit(*, req_pool_indices, seq_lens, retrieve_next_token, retrieve_next_sibling, out_cache_loc,
                      accept_index, accept_lens, scratch, c128_ring: int | None) -> TreeCommitPlan:
     """accept_index [bs, S] global node ids root first (-1 padded), accept_lens [bs] (path
-    lengths, root included), seq_lens [bs] = P; scratch: the pool's TreeScratch."""
+    lengths, root included), seq_lens [bs] = P; scratch: the pool's TreeScratch. Checked
+    (`check_accept_path`) before anything is planned, so before any write."""
     parents = parents_from_retrieve(retrieve_next_token, retrieve_next_sibling)
     depth = depths(parents)
+    node = check_accept_path(accept_index, accept_lens, parents, depth)
     bs, n = depth.shape
     dev = depth.device
     S = accept_index.shape[1]
     L = accept_lens.to(torch.int64).view(bs, 1)
     d = torch.arange(S, device=dev).view(1, S)
     valid = d < L  # [bs, S]
-    b = torch.arange(bs, device=dev).view(bs, 1).expand(bs, S)
-    node = (accept_index.to(torch.int64) - b * n).clamp(0, n - 1)  # local ids
-    bad = valid & ((accept_index < 0) | (depth.gather(1, node) != d))
-    if bool(bad.any()):
-        raise StateError("dsv4_tree commit: accept_index is not a root-first path of the verified tree "
-                         f"(accept_index {accept_index.tolist()}, accept_lens {accept_lens.tolist()})")
     P = seq_lens.to(torch.int64).view(bs, 1)
     req = req_pool_indices.to(torch.int64).view(bs, 1).expand(bs, S)
     window = out_cache_loc.to(torch.int64).view(bs, n)
@@ -63,20 +118,24 @@ def plan_tree_commit(*, req_pool_indices, seq_lens, retrieve_next_token, retriev
     entry_src, entry_dst = {}, {}
     for m in RATIOS:
         home = window.gather(1, d.expand(bs, S).clamp(max=n - 1)) // m
-        wrote = torch.where(first, home, scratch.start[m] + req * scratch.per_request + node)
+        own_scratch = scratch.start[m] + req * scratch.per_request + node
+        wrote = torch.where(first, home, own_scratch)
         move = valid & ((P + d + 1) % m == 0) & (wrote != home)
-        entry_src[m], entry_dst[m] = wrote[move], home[move]
-    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        # no-op pairs on the node's own scratch slot: no real pair writes scratch (homes lie below it)
+        entry_src[m] = torch.where(move, wrote, own_scratch).view(-1)
+        entry_dst[m] = torch.where(move, home, own_scratch).view(-1)
     if c128_ring is None:
-        return TreeCommitPlan(entry_src, entry_dst, empty, empty, empty)
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return TreeCommitPlan(entry_src, entry_dst, empty, empty, empty, empty.bool())
     moved = valid & (node != d)
-    c128_src = (req * c128_ring + (P + node) % c128_ring)[moved]
-    c128_dst = (req * c128_ring + (P + d) % c128_ring)[moved]
+    # a pair that moves nothing rewrites its own depth's row, which no real pair targets (each
+    # real pair targets its own depth d, d < S <= N <= ring)
+    dst = req * c128_ring + (P + d) % c128_ring
+    c128_src = torch.where(moved, req * c128_ring + (P + node) % c128_ring, dst).view(-1)
     j = torch.arange(n, device=dev).view(1, n)
-    rejected = j >= L
-    req_n = req_pool_indices.to(torch.int64).view(bs, 1).expand(bs, n)
-    c128_clear = (req_n * c128_ring + (P + j) % c128_ring)[rejected]
-    return TreeCommitPlan(entry_src, entry_dst, c128_src, c128_dst, c128_clear)
+    req_n = req_pool_indices.to(torch.int64).view(bs, 1)
+    c128_rows = (req_n * c128_ring + (P + j) % c128_ring).view(-1)
+    return TreeCommitPlan(entry_src, entry_dst, c128_src, dst.reshape(-1), c128_rows, (j >= L).view(-1))
 
 
 def c128_ring_size(pool) -> int | None:
@@ -97,34 +156,63 @@ def apply_tree_commit(log: UndoLog, pool, plan: TreeCommitPlan) -> None:
         if lb.ratio == 128:
             for rows in lb.state_rows():
                 move_records(log, rows, plan.c128_src, plan.c128_dst)
-                clear_state_rows(log, rows, plan.c128_clear)
+                clear_state_rows(log, rows, plan.c128_rows, plan.c128_clear)
 
 
-def clear_state_rows(log: UndoLog, rows: StateRows, which: torch.Tensor) -> None:
-    """kv half 0, score half -inf (SGLang's empty state row)."""
+def clear_state_rows(log: UndoLog, rows: StateRows, which: torch.Tensor, clear: torch.Tensor) -> None:
+    """Rows `which` [R] where `clear` [R]: kv half 0, score half -inf (SGLang's empty state row);
+    the others keep their values (rewritten with themselves: fixed shape, no host read)."""
     if which.numel() == 0:
         return
     half = rows.buffer.shape[1] // 2
     empty = torch.cat([rows.buffer.new_zeros(half), rows.buffer.new_full((half,), float("-inf"))])
-    log.write(rows.flat(), rows.element_index(which), empty.expand(which.numel(), -1))
+    index = rows.element_index(which)
+    log.write(rows.flat(), index, torch.where(clear.view(-1, 1), empty.view(1, -1), rows.flat()[index]))
+
+
+def check_move_allowed(pool) -> None:
+    """ConfigError unless `move_kv_cache` moves everything a slot owns on this pool (see there)."""
+    if getattr(pool, "dsv4_tree_scratch", None) is None:
+        raise ConfigError("dsv4_tree move_kv_cache: this DeepSeekV4TokenToKVPool was not prepared by the tree "
+                          "backend (no dsv4_tree_scratch; SGLang 0.5.23's pool has no move_kv_cache): only EAGLE "
+                          "topk > 1 tree verify moves DeepSeek-V4 KV slots")
+    if getattr(pool, LOG_ATTR, None) is None:
+        ratios = sorted({lb.ratio for lb in pool_layers(pool) if lb.ratio in RATIOS})
+        if ratios:
+            raise ConfigError(f"dsv4_tree move_kv_cache: outside the tree commit on a pool with compressed "
+                              f"layers (ratios {ratios}): it would move SWA records and C4 state rows but not "
+                              f"the entries and C128 state rows (only _finalize_accept_tree_path's commit does)")
 
 
 def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """`DeepSeekV4TokenToKVPool.move_kv_cache` (SGLang 0.5.23 has none; `register()` sets it):
     copy the slot-keyed records of full slots src_loc [n] over tgt_loc [n]: SWA K=V records and
     C4 state rows. Pairs with tgt == src (SGLang's zero padding) are no-ops. Inside a commit the
-    writes join its undo log; alone, a failure restores what this call wrote."""
+    writes join its undo log; alone, a failure restores what this call wrote.
+
+    Only pools the tree backend prepared (`pool.dsv4_tree_scratch`) have it: SGLang 0.5.23's other
+    callers (the NGRAM worker, the pipeline-parallel relay) found none before the plug-in and get a
+    ConfigError instead of a partial move. Outside the tree commit it runs only on a pool without
+    C4 / C128 layers (the draft pool, for `duplicate_prefix_tail_to_draft_branches`): elsewhere
+    the entries and C128 state rows, which only the commit moves, would stay behind."""
+    check_move_allowed(pool)
     tgt, src = tgt_loc.to(torch.int64).view(-1), src_loc.to(torch.int64).view(-1)
+    # Host reads, once per call (once per round: SGLang calls it once per commit / draft step, not
+    # per layer): dropping SGLang's tgt == src padding pairs (slot 0, which may have no SWA slot)
+    # sizes the moves, and one read checks every slot.
     keep = tgt != src
     tgt, src = tgt[keep], src[keep]
     if tgt.numel() == 0:
         return
     limit = int(pool.full_to_swa_index_mapping.shape[0])
-    if bool(((tgt < 0) | (tgt >= limit) | (src < 0) | (src >= limit)).any()):
+    outside = (tgt < 0) | (tgt >= limit) | (src < 0) | (src >= limit)
+    swa_t = pool.translate_loc_from_full_to_swa(tgt.clamp(0, limit - 1))
+    swa_s = pool.translate_loc_from_full_to_swa(src.clamp(0, limit - 1))
+    bad_range, bad_swa = torch.stack([outside.any(), ((swa_t < 0) | (swa_s < 0)).any()]).tolist()
+    if bad_range:
         raise StateError(f"dsv4_tree move_kv_cache: full slots outside [0, {limit}): tgt {tgt.tolist()} "
                          f"src {src.tolist()}")
-    swa_t, swa_s = pool.translate_loc_from_full_to_swa(tgt), pool.translate_loc_from_full_to_swa(src)
-    if bool(((swa_t < 0) | (swa_s < 0)).any()):
+    if bad_swa:
         raise StateError(f"dsv4_tree move_kv_cache: full slots without an SWA slot: tgt {tgt.tolist()} "
                          f"src {src.tolist()}")
     log = getattr(pool, LOG_ATTR, None)

@@ -18,7 +18,9 @@ nodes) would share rows. Here, per call (one layer, one compressor):
 3. Every node's raw `kv_score` row is then written to a state row of its own: C4 at SGLang's
    row for the node's token slot (distinct per node), C128 at `req * ring + (P + i) % ring` (the
    node's slot index i, not its depth). Commit moves accepted rows to their depth's rows.
-Reading before writing keeps step 1 independent of what step 3 overwrites."""
+Reading before writing keeps step 1 independent of what step 3 overwrites. No host read: the
+closing rows (`tables.c4_closing` / `c128_closing`) and the ancestor table are computed once per
+verify with the tables (`tables.closing_rows`), not per layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,11 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StateError
 from ..numerics.hadamard import hadamard_rotate
 from ..numerics.rope import apply_rope, rope_pairs
 from ..serving.records import IndexKeyLayout, RecordLayout, quantize_rows
-from .tables import TreeVerifyTables, ancestors
+from .tables import TreeVerifyTables
 
 V4_RECORD = RecordLayout(head_dim=512, rope_dim=64)
 INDEX_KEY = IndexKeyLayout(dim=128)
@@ -99,7 +101,7 @@ def source_rows(tables: TreeVerifyTables, rows: TreeRows, closing: torch.Tensor,
     b, i = closing // n, closing % n
     P = rows.prefix[b].view(-1, 1)
     depth = tables.depth.reshape(-1)[closing].view(-1, 1)
-    anc = ancestors(tables.parents, n)[b.view(-1, 1), i.view(-1, 1)]  # [E, 1, N]
+    anc = tables.ancestors[b.view(-1, 1), i.view(-1, 1)]  # [E, 1, N]
     up = (depth - (pos - P)).clamp(0, n - 1)  # how far up the path position pos sits
     node = anc.squeeze(1).gather(1, up)
     from_input = kv_score[(b.view(-1, 1) * n + node.clamp_min(0)).view(-1)].view(*pos.shape, -1).float()
@@ -162,8 +164,11 @@ def tree_compress(*, pool, req_to_token: torch.Tensor, tables: TreeVerifyTables,
                           f"of {ring.shape[-1]} (layer {layer_id}, ratio {ratio})")
     full_to_swa = pool.full_to_swa_index_mapping
     rows = TreeRows.of(tables)
-    closing = (tables.seq_lens_casual.to(torch.int64) % ratio == 0).nonzero().squeeze(1)
-    if closing.numel():
+    closing = tables.c4_closing if ratio == 4 else tables.c128_closing
+    if closing is None:
+        raise StateError("dsv4_tree tree compressor: the verify's tables have no closing rows "
+                         "(tables.closing_rows, set by tree_verify_metadata)")
+    if closing.numel():  # a shape (set once per verify by closing_rows), not a device value
         ring_rows_of = lambda req, pos: committed_state_rows(state_pool, ratio, req_to_token, full_to_swa,  # noqa: E731
                                                              req, pos)
         src, pos = source_rows(tables, rows, closing, ratio, ring, kv_score, ring_rows_of)

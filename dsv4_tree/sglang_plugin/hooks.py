@@ -11,7 +11,8 @@ SGLang 0.5.23 modules; loaded only inside SGLang processes.
 * Commit: an AROUND hook on `_finalize_accept_tree_path` runs the tree commit (`commit.py`)
   around SGLang's own slot moves, as one transaction; one on the pool's
   `clear_unaccepted_c128_draft_states` skips SGLang's cleanup (it clears ring rows by node
-  number) on pools the tree backend serves, whose commit clears the rejected rows itself. Both
+  number) on pools the tree backend serves, whose commit clears the rejected rows itself; the
+  skip is recorded on the pool and consumed by the commit (`commit.defer_c128_cleanup`). Both
   act only on a pool the tree backend prepared (`pool.dsv4_tree_scratch`); any other pool gets
   SGLang's code unchanged."""
 from __future__ import annotations
@@ -54,6 +55,9 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
         unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
         ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=draft_token_capacity(n),
+        pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
+        hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
+        disaggregation_mode=str(cfg.disaggregation_mode or "null"),
     )
 
 
@@ -131,8 +135,9 @@ def around_finalize_accept_tree_path(original, batch, accept_index, accept_lens,
     pool = token_to_kv_pool_allocator.get_kvcache()
     if not _tree_pool(pool):
         return slot_moves()
-    from .commit import c128_ring_size, plan_tree_commit, run_tree_commit
+    from .commit import c128_ring_size, plan_tree_commit, run_tree_commit, take_deferred_cleanup
 
+    take_deferred_cleanup(pool)
     spec = batch.spec_info
     plan = plan_tree_commit(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                             retrieve_next_token=spec.retrieve_next_token,
@@ -144,5 +149,7 @@ def around_finalize_accept_tree_path(original, batch, accept_index, accept_lens,
 
 def around_clear_unaccepted_c128_draft_states(original, pool, *args, **kwargs):
     if _tree_pool(pool):
-        return None  # commit.py clears the rejected rows after moving the accepted ones
+        from .commit import defer_c128_cleanup
+
+        return defer_c128_cleanup(pool)  # the tree commit clears the rejected rows after moving the accepted ones
     return original(pool, *args, **kwargs)

@@ -48,6 +48,18 @@ def _entry_buffers(pool, ratio: int) -> list:
     return out
 
 
+def check_no_cached_addresses(pool) -> None:
+    """Refuse (before growing) a pool whose entry buffers' addresses were cached: growing replaces
+    the buffer tensors, so a cached address would name the old memory. SGLang's HiSparse C4 pool
+    (`HiSparseC4DevicePool`) caches them in `data_ptrs` at construction."""
+    for m in RATIOS:
+        for owner, attr, _ in _entry_buffers(pool, m):
+            if getattr(owner, "data_ptrs", None) is not None or type(owner).__name__ == "HiSparseC4DevicePool":
+                raise ConfigError(f"dsv4_tree tree verify: the ratio-{m} pool {type(owner).__name__} caches its "
+                                  f"buffers' addresses (data_ptrs; HiSparse, --enable-hisparse), which the tree "
+                                  f"backend's scratch pages would replace: not supported")
+
+
 def ensure_scratch(pool, per_request: int) -> TreeScratch:
     """Grow the pool's C4 / C128 entry buffers by the scratch slots (once); returns its TreeScratch."""
     have = getattr(pool, "dsv4_tree_scratch", None)
@@ -56,6 +68,7 @@ def ensure_scratch(pool, per_request: int) -> TreeScratch:
             raise ConfigError(f"dsv4_tree: the pool's scratch holds {have.per_request} slots per request, "
                               f"a verify needs {per_request} (speculative_num_draft_tokens)")
         return have
+    check_no_cached_addresses(pool)
     num_req_slots = int(pool.num_req_slots)
     start = {}
     for m in RATIOS:

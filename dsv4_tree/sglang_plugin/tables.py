@@ -22,6 +22,7 @@ rows once the length is taken from the depth; what differs is *which* slots a ro
   and are the C4 indexer's branch candidates."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,11 @@ def tree_entry_out_loc(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     return torch.where(closing, loc, torch.zeros_like(loc)).view(-1)
 
 
-def tree_branch_entries(entry_out_loc: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+def tree_branch_entries(entry_out_loc: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor,
                         seq_lens: torch.Tensor, ratio: int) -> torch.Tensor:
     """-> [bs*N, B] int64, B = ceil(N / m) + 1: row (b, i)'s entries of blocks closed on its own
     path in this verify (blocks P // m, P // m + 1, ..., (P + d + 1) // m - 1, in block order),
-    as slots of `entry_out_loc` [bs*N]; -1 past the row's count."""
+    as slots of `entry_out_loc` [bs*N]; -1 past the row's count. anc: `ancestors(parents, N)`."""
     bs, n = depth.shape
     width = -(-n // ratio) + 1
     P = seq_lens.to(torch.int64).view(bs, 1, 1)
@@ -119,7 +120,6 @@ def tree_branch_entries(entry_out_loc: torch.Tensor, parents: torch.Tensor, dept
     block = P // ratio + j  # [bs, N, B]
     close_depth = ratio * (block + 1) - 1 - P  # depth of the node closing that block
     valid = close_depth <= d
-    anc = ancestors(parents, n)  # [bs, N, N]
     up = (d - close_depth).clamp(0, n - 1)  # how far up the path the closing node sits
     node = anc.gather(2, up)
     flat = entry_out_loc.view(bs, n)
@@ -154,6 +154,21 @@ class TreeVerifyTables:
     c128_branch: torch.Tensor  # [T, B128] int64
     c4_committed: torch.Tensor  # [T] int32: P // 4, the committed C4 entries every row shares
     c128_committed: torch.Tensor  # [T] int32: P // 128
+    ancestors: torch.Tensor  # [bs, N, N] int64: column k = the node's k-th ancestor, -1 above the root
+    # rows closing a C4 / C128 block ([E] int64, ascending): `closing_rows`, once per verify (one
+    # host read, for the sizes); None until set. The compressor reads them on every layer.
+    c4_closing: torch.Tensor | None = None
+    c128_closing: torch.Tensor | None = None
+
+
+def closing_rows(tables: TreeVerifyTables) -> TreeVerifyTables:
+    """`tables` with c4_closing / c128_closing set: the rows whose length closes a block. One host
+    read per verify (both counts at once); the per-layer compressor then reads no device value."""
+    lens = tables.seq_lens_casual.to(torch.int64)
+    masks = [lens % m == 0 for m in (4, 128)]
+    counts = torch.stack([m.sum() for m in masks]).tolist()  # the one host read
+    rows = [torch.argsort((~m).to(torch.int8), stable=True)[:k] for m, k in zip(masks, counts)]
+    return dataclasses.replace(tables, c4_closing=rows[0], c128_closing=rows[1])
 
 
 def build_tree_verify_tables(*, req_to_token: torch.Tensor, full_to_swa_index_mapping: torch.Tensor,
@@ -169,11 +184,12 @@ def build_tree_verify_tables(*, req_to_token: torch.Tensor, full_to_swa_index_ma
     lens, rows = tree_verify_lengths(seq_lens, req_pool_indices, depth)
     swa = tree_swa_page_indices(req_to_token, full_to_swa_index_mapping, req_pool_indices, seq_lens, parents,
                                 swa_window, page_index_aligned_size)
+    anc = ancestors(parents, n)
     out, branch, committed = {}, {}, {}
     for m in (4, 128):
         out[m] = tree_entry_out_loc(req_to_token, req_pool_indices, seq_lens, depth, m, scratch_start[m],
                                     scratch_per_request)
-        branch[m] = tree_branch_entries(out[m], parents, depth, seq_lens, m)
+        branch[m] = tree_branch_entries(out[m], anc, depth, seq_lens, m)
         committed[m] = (seq_lens.to(torch.int32) // m).view(bs, 1).expand(bs, n).reshape(-1)
     return TreeVerifyTables(parents, depth, lens, rows, swa, out[4], out[128], branch[4], branch[128],
-                            committed[4], committed[128])
+                            committed[4], committed[128], anc)

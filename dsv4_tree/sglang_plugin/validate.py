@@ -26,6 +26,11 @@ class TreeServeSettings:
     online_compress: bool  # SGLANG_OPT_USE_ONLINE_COMPRESS (online C128 state)
     ragged_verify_mode: str  # SGLANG_RAGGED_VERIFY_MODE
     draft_token_capacity: int  # most draft tokens per request the tree path has scratch for
+    pp_size: int = 1  # pipeline parallelism: non-last stages commit through move_kv_cache alone
+    multi_layer_eagle: bool = False  # --enable-multi-layer-eagle: verify without _finalize_accept_tree_path
+    hisparse: bool = False  # --enable-hisparse: caches the C4 buffers' addresses before they grow
+    hierarchical_cache: bool = False  # --enable-hierarchical-cache: host copies of the device buffers
+    disaggregation_mode: str = "null"  # PD disaggregation registers the buffers' addresses
 
 
 def tree_requested(s: TreeServeSettings) -> bool:
@@ -53,6 +58,17 @@ def validate_tree_settings(s: TreeServeSettings) -> None:
         (not s.online_compress, "SGLANG_OPT_USE_ONLINE_COMPRESS=1 (online C128) is not supported"),
         (s.ragged_verify_mode == "static",
          f"SGLANG_RAGGED_VERIFY_MODE must be 'static', got {s.ragged_verify_mode!r}"),
+        (s.pp_size == 1, f"pipeline parallelism is not supported (pp_size={s.pp_size}, must be 1: SGLang's "
+                         f"non-last stages commit accepted tokens without the tree commit)"),
+        (not s.multi_layer_eagle, "--enable-multi-layer-eagle is not supported (its verify skips "
+                                  "_finalize_accept_tree_path, where the tree commit runs)"),
+        (not s.hisparse, "--enable-hisparse is not supported (HiSparse caches the C4 buffers' addresses, which "
+                         "the tree backend's scratch pages replace)"),
+        (not s.hierarchical_cache, "--enable-hierarchical-cache is not supported (HiCache mirrors the device "
+                                   "buffers, which the tree backend's scratch pages replace)"),
+        (s.disaggregation_mode == "null", f"PD disaggregation is not supported (disaggregation_mode="
+                                          f"{s.disaggregation_mode!r}, must be 'null': it registers the buffers' "
+                                          f"addresses, which the tree backend's scratch pages replace)"),
         (2 <= s.num_draft_tokens <= s.draft_token_capacity,
          f"--speculative-num-draft-tokens must be in [2, {s.draft_token_capacity}] (the C4 compressor state "
          f"ring holds that many verify rows per request), got {s.num_draft_tokens}"),

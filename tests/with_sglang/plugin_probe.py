@@ -32,6 +32,12 @@ def llama_dir(root: str) -> str:
     return d
 
 
+REFUSED = {"pp_size=2": dict(pp_size=2), "--enable-multi-layer-eagle": dict(enable_multi_layer_eagle=True),
+           "--enable-hisparse": dict(enable_hisparse=True),
+           "--enable-hierarchical-cache": dict(enable_hierarchical_cache=True),
+           "disaggregation_mode='decode'": dict(disaggregation_mode="decode")}
+
+
 def resolve(model_path: str, **kw):
     from sglang.srt.server_args import ServerArgs
 
@@ -66,6 +72,10 @@ def main() -> None:
     out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
                                    disable_cuda_graph=True)
+    # settings outside the tree path, through SGLang's resolution (each reaches the validator)
+    out["v4_topk4_refused"] = {
+        name: resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_cuda_graph=True, **kw)
+        for name, kw in REFUSED.items()}
     out["v4_topk1"] = resolve(v4, speculative_eagle_topk=1, speculative_num_draft_tokens=4, disable_cuda_graph=True)
     out["llama_topk4_page256"] = resolve(llama, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                                          page_size=256, disable_cuda_graph=True,

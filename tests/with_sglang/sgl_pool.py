@@ -36,10 +36,10 @@ def published_context(model_dir: str, num_draft_tokens: int):
         rc.restore_context(saved)
 
 
-def make_pool(num_full_pages: int, max_num_reqs: int, mapping: torch.Tensor):
+def make_pool(num_full_pages: int, max_num_reqs: int, mapping: torch.Tensor, ratios=tuple(LAYER_RATIOS), **kw):
     """A DeepSeekV4TokenToKVPool for token slots [0, num_full_pages * 256) (page 0 reserved),
-    an SWA pool of as many pages, LAYER_RATIOS, every buffer filled with random bytes (random
-    finite floats in the state rings): the committed state of whatever came before."""
+    an SWA pool of as many pages, one layer per entry of `ratios` (kw: more of the pool's
+    constructor arguments)."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
     full = num_full_pages * PAGE
@@ -48,8 +48,8 @@ def make_pool(num_full_pages: int, max_num_reqs: int, mapping: torch.Tensor):
         max_num_reqs=max_num_reqs, swa_size=full - PAGE, c4_size=full // 4, c128_size=c128,
         c4_state_pool_size=num_full_pages * 16, c128_state_pool_size=(max_num_reqs + 1) * 256, page_size=PAGE,
         swa_page_size=PAGE, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(LAYER_RATIOS), device="cpu",
-        enable_memory_saver=False, compression_ratios=LAYER_RATIOS)
+        qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios), device="cpu",
+        enable_memory_saver=False, compression_ratios=list(ratios), **kw)
     pool.register_mapping(mapping)
     return pool
 

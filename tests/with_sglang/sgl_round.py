@@ -15,6 +15,7 @@ from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.speculative import eagle_worker_common as ewc
 
+from dsv4_tree.attention.backend import get_backend
 from dsv4_tree.serving.records import quantize_rows
 from dsv4_tree.sglang_plugin import hooks
 from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
@@ -23,7 +24,7 @@ from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
 from dsv4_tree.sglang_plugin.pool_bytes import StateRows
 from dsv4_tree.sglang_plugin.scratch import ensure_scratch, pool_layers
 from dsv4_tree.sglang_plugin.tables import depths, parents_from_retrieve
-from sgl_cases import StandIn, layout
+from sgl_cases import StandIn, layout, sglang_tree
 from sgl_pool import LAYER_RATIOS, all_buffers, compressors, fill_random, make_pool, snapshot, swa_pack
 
 VERIFY = SimpleNamespace(is_idle=lambda: False, is_target_verify=lambda: True)
@@ -193,3 +194,28 @@ def depth_of(rn, rs) -> torch.Tensor:
     return depths(parents_from_retrieve(rn, rs))
 
 
+def random_targets(rn, rs, gen, last_child: bool):
+    """target_child [bs, N]: per node one of its children (the last one when last_child, so
+    siblings other than the first get accepted), or -1 now and then."""
+    parents = parents_from_retrieve(rn, rs)
+    bs, n = parents.shape
+    out = torch.full((bs, n), -1, dtype=torch.int64)
+    for b in range(bs):
+        for i in range(n):
+            kids = [j for j in range(n) if int(parents[b, j]) == i]
+            if kids and float(torch.rand(1, generator=gen)) < 0.85:
+                out[b, i] = kids[-1] if last_child else kids[int(torch.randint(len(kids), (1,), generator=gen))]
+    return out
+
+
+def tree_ready(case, gen, lens, rpi, n, topk=3, steps=3):
+    """A tree verify's writes on case.tree_pool and SGLang's greedy acceptance of it (siblings
+    favoured), ready to commit."""
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    _, rn, rs = sglang_tree(len(lens), topk, steps, n, seq_lens, gen)
+    inputs = NodeInputs.draw(len(lens) * n, case.comps, gen)
+    ops = get_backend("torch")
+    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
+                               case.comps, ops)
+    accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, True), steps)
+    return seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs

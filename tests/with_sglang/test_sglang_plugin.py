@@ -59,6 +59,12 @@ def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
     assert on["v4_topk4_graphs"]["error"].startswith("ConfigError") and "--disable-cuda-graph" in on["v4_topk4_graphs"]["error"]
     many = on["v4_topk4_many"]["error"]
     assert many.startswith("ConfigError") and "--speculative-num-draft-tokens" in many and "got 16" in many
+    # read from the resolved server arguments (settings_from_server_args), refused by name
+    refused = on["v4_topk4_refused"]
+    assert sorted(refused) == sorted(["pp_size=2", "--enable-multi-layer-eagle", "--enable-hisparse",
+                                      "--enable-hierarchical-cache", "disaggregation_mode='decode'"])
+    for named, res in refused.items():
+        assert res["error"].startswith("ConfigError") and named in res["error"], (named, res)
 
 
 def test_other_models_and_topk1_unchanged(probes):
@@ -93,6 +99,11 @@ def settings(**kw) -> TreeServeSettings:
     ({"ragged_verify_mode": "dynamic"}, "SGLANG_RAGGED_VERIFY_MODE"),
     ({"num_draft_tokens": 11}, "--speculative-num-draft-tokens"),
     ({"model_arch": "LlamaForCausalLM"}, "LlamaForCausalLM"),
+    ({"pp_size": 2}, "pp_size=2, must be 1"),
+    ({"multi_layer_eagle": True}, "--enable-multi-layer-eagle"),
+    ({"hisparse": True}, "--enable-hisparse"),
+    ({"hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ({"disaggregation_mode": "decode"}, "disaggregation_mode='decode'"),
 ])
 def test_validator_names_the_setting(change, named):
     validate_tree_settings(settings())  # the accepted configuration

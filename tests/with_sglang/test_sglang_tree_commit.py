@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from dsv4_tree.attention.backend import get_backend
-from dsv4_tree.errors import StateError
 from dsv4_tree.sglang_plugin import commit as commit_mod
 from dsv4_tree.sglang_plugin import install_move_kv_cache
 from dsv4_tree.sglang_plugin.scratch import pool_layers
 from plugin_probe import dsv4_dir
 from sgl_cases import sglang_tree
 from sgl_pool import published_context, snapshot
-from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, depth_of, differing, greedy_accept,
-                       verify_writes, window_mask)
+from sgl_round import (Case, NodeInputs, accepted_nodes, chain_round, commit, differing, greedy_accept,
+                       random_targets, tree_ready, verify_writes, window_mask)
 
 N_MAX = 10
 
@@ -26,22 +25,6 @@ def context(tmp_path_factory):
     with published_context(dsv4_dir(str(tmp_path_factory.mktemp("models"))), N_MAX):
         install_move_kv_cache()
         yield
-
-
-def random_targets(rn, rs, gen, last_child: bool):
-    """target_child [bs, N]: per node one of its children (the last one when last_child, so
-    siblings other than the first get accepted), or -1 now and then."""
-    from dsv4_tree.sglang_plugin.tables import parents_from_retrieve
-
-    parents = parents_from_retrieve(rn, rs)
-    bs, n = parents.shape
-    out = torch.full((bs, n), -1, dtype=torch.int64)
-    for b in range(bs):
-        for i in range(n):
-            kids = [j for j in range(n) if int(parents[b, j]) == i]
-            if kids and float(torch.rand(1, generator=gen)) < 0.85:
-                out[b, i] = kids[-1] if last_child else kids[int(torch.randint(len(kids), (1,), generator=gen))]
-    return out
 
 
 def one_round(case: Case, rpi, lens, topk, steps, n, gen, ops, last_child=False):
@@ -117,15 +100,20 @@ def test_rounds_in_a_row_cross_c4_and_c128_blocks(context, no_flashmla_schedule)
     assert scratch_rounds >= 3, scratch_rounds  # most rounds closed C4 blocks at non-first nodes
 
 
-def _tree_ready(case, gen, lens, rpi, n, topk=3, steps=3):
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    _, rn, rs = sglang_tree(len(lens), topk, steps, n, seq_lens, gen)
-    inputs = NodeInputs.draw(len(lens) * n, case.comps, gen)
-    ops = get_backend("torch")
-    out_loc, _ = verify_writes(case.tree_pool, case.req_to_token, case.mapping, rpi, seq_lens, rn, rs, inputs,
-                               case.comps, ops)
-    accept_index, accept_lens = greedy_accept(rn, rs, random_targets(rn, rs, gen, True), steps)
-    return seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs
+def test_rounds_in_a_row_at_the_ring_bound_with_the_triton_compressor(context, no_flashmla_schedule):
+    """N = 10, SGLang's bound for its C4 state ring under speculation (16 rows per SWA page): the
+    rows a window writes never alias a row the next block still reads, round after round; the
+    branch compressor is the Triton kernel (interpreter)."""
+    gen = torch.Generator().manual_seed(29)
+    lens, n = [117, 247], N_MAX
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([2, 1], dtype=torch.int32)
+    ops = get_backend("triton")
+    for r, (topk, steps) in enumerate([(3, 3), (2, 4), (4, 3), (3, 4)]):
+        paths, before, *_ = one_round(case, rpi, lens, topk, steps, n, gen, ops, last_child=r % 2 == 0)
+        check_round(case, rpi, lens, paths, before, n, f"round {r} {topk=} {steps=} {lens=} {paths=}")
+        lens = [p + len(path) for p, path in zip(lens, paths)]
+    assert lens[0] >= 128 and lens[1] >= 256, lens  # a C128 block closed in both requests
 
 
 @pytest.mark.parametrize("fail_at", [2, 4, 7])  # 1-4: the hook's entry / C128 moves; 5-9: move_kv_cache's
@@ -134,7 +122,7 @@ def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_sche
     lens, n = [126, 382], 8
     case = Case(lens, gen, n)
     rpi = torch.tensor([1, 2], dtype=torch.int32)
-    seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs = _tree_ready(case, gen, lens, rpi, n)
+    seq_lens, rn, rs, out_loc, accept_index, accept_lens, inputs = tree_ready(case, gen, lens, rpi, n)
     before = snapshot(case.tree_pool)
     real, calls = commit_mod.move_records, []
 
@@ -161,66 +149,3 @@ def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_sche
         chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
                     inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
     check_round(case, rpi, lens, paths, before, n, f"retry after {fail_at=} {paths=}")
-
-
-def test_a_commit_that_is_not_a_path_is_refused_before_any_write(context, no_flashmla_schedule):
-    gen = torch.Generator().manual_seed(41)
-    lens, n = [60, 127], 6
-    case = Case(lens, gen, n)
-    rpi = torch.tensor([1, 2], dtype=torch.int32)
-    seq_lens, rn, rs, out_loc, accept_index, accept_lens, _ = _tree_ready(case, gen, lens, rpi, n, 2, 3)
-    depth = depth_of(rn, rs)
-    deep = int((depth[0] == 2).nonzero()[0])  # a depth-2 node where depth 1 belongs
-    bad = accept_index.clone()
-    bad[0, 1] = deep
-    before = snapshot(case.tree_pool)
-    with pytest.raises(StateError, match="not a root-first path"):
-        commit(case.tree_pool, rpi, seq_lens, rn, rs, out_loc, bad, torch.tensor([2, 1], dtype=torch.int32))
-    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
-    assert differing(snapshot(case.tree_pool), before, nothing) == {}
-
-
-def test_move_kv_cache_on_its_own(context, monkeypatch):
-    """DeepSeekV4TokenToKVPool.move_kv_cache (set by register()), as the draft pool's
-    duplicate_prefix_tail_to_draft_branches calls it: the SWA records and C4 state rows of the
-    source slots land on the target slots, nothing else changes; a failure part-way restores
-    what it wrote; slots outside the pool are refused."""
-    gen = torch.Generator().manual_seed(43)
-    lens = [40, 300]
-    case = Case(lens, gen, 8)
-    pool, r2t = case.tree_pool, case.req_to_token
-    src, tgt = r2t[1, 36:40].to(torch.int64), r2t[2, 296:300].to(torch.int64)
-    before = snapshot(pool)
-    pool.move_kv_cache(torch.cat([tgt, torch.zeros(2, dtype=torch.int64)]),
-                       torch.cat([src, torch.zeros(2, dtype=torch.int64)]))  # SGLang's zero padding
-    swa_s, swa_t = pool.translate_loc_from_full_to_swa(src), pool.translate_loc_from_full_to_swa(tgt)
-    for lb in pool_layers(pool):
-        assert torch.equal(lb.swa.read(swa_t), lb.swa.read(swa_s))
-        for sp in (lb.state, lb.index_state):
-            if sp is not None and sp.ratio == 4:
-                rows = sp.kv_score_buffer.kv_score
-                assert torch.equal(rows[sp.translate_from_swa_loc_to_state_loc(swa_t.clone())],
-                                   rows[sp.translate_from_swa_loc_to_state_loc(swa_s.clone())])
-    target_slots = window_mask(pool, r2t, [(2, 296, 300)])
-    for k in target_slots:  # only SWA records and C4 state rows: entries and C128 rows are the commit's
-        if not (k.startswith("swa.") or k in ("state.0", "index_state.0")):
-            target_slots[k][:] = False
-    assert differing(snapshot(pool), before, target_slots) == {}
-
-    moved = snapshot(pool)
-    real, calls = commit_mod.move_records, []
-
-    def failing(*args):
-        calls.append(1)
-        real(*args)
-        if len(calls) == 3:
-            raise RuntimeError("injected failure")
-
-    monkeypatch.setattr(commit_mod, "move_records", failing)
-    with pytest.raises(RuntimeError, match="injected"):
-        pool.move_kv_cache(src, r2t[2, 300:304].to(torch.int64))
-    nothing = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in moved.items()}
-    assert differing(snapshot(pool), moved, nothing) == {}
-    monkeypatch.setattr(commit_mod, "move_records", real)
-    with pytest.raises(StateError, match="outside"):
-        pool.move_kv_cache(torch.tensor([case.mapping.shape[0]]), src[:1])
