@@ -103,6 +103,15 @@ INDEXER_FIELDS = ("page_size", "compressed_page_size", "page_table", "compressed
                   "compress_ratio", "rows_per_request")
 
 
+def path_as_chain(req_to_token, rid: int, P: int, path: list, chain_row: int) -> torch.Tensor:
+    """req_to_token with row `chain_row` holding request `rid`'s committed P slots, then the
+    slots of `path` (node indices, root first) in order: the path laid out as SGLang's chain."""
+    chain = req_to_token.clone()
+    chain[chain_row, :P] = req_to_token[rid, :P]
+    chain[chain_row, P:P + len(path)] = req_to_token[rid, [P + a for a in path]]
+    return chain
+
+
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -177,6 +177,11 @@ def window_mask(pool, req_to_token, spans) -> dict:
     return masks
 
 
+def unchanged(before: dict) -> dict:
+    """Masks excluding nothing: with differing(), every element of every snapshot compared."""
+    return {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
+
+
 def differing(a: dict, b: dict, masks: dict) -> dict:
     """name -> count of elements outside masks[name] whose bits differ between snapshots a and b."""
     out = {}

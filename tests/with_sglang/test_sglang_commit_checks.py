@@ -16,7 +16,7 @@ from dsv4_tree.sglang_plugin.tables import parents_from_retrieve
 from plugin_probe import dsv4_dir
 from sgl_cases import sglang_tree
 from sgl_pool import published_context, snapshot
-from sgl_round import Case, NodeInputs, commit, depth_of, differing, tree_ready, verify_writes
+from sgl_round import Case, NodeInputs, commit, depth_of, differing, tree_ready, unchanged, verify_writes
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,6 @@ def context(tmp_path_factory):
     with published_context(dsv4_dir(str(tmp_path_factory.mktemp("models"))), 10):
         install_move_kv_cache()
         yield
-
-
-def unchanged(before):
-    return {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
 
 
 @pytest.fixture

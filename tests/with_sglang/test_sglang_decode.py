@@ -9,7 +9,7 @@ from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from dsv4_tree.reference import ref_sparse_decode
 from dsv4_tree.serving import KVPool
 from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
-from sgl_cases import PAGE, StandIn, layout, sglang_tree
+from sgl_cases import PAGE, StandIn, layout, path_as_chain, sglang_tree
 from test_sglang_tree_rows import paths
 
 D, ROPE, H = 512, 64, 4
@@ -65,9 +65,7 @@ def test_tree_rows_decode_as_their_paths(no_flashmla_schedule):
             P, rid = lens[b], int(rpi[b])
             for i, path in enumerate(paths(tree.parents[b])):
                 t, d = b * n + i, len(path) - 1
-                chain = req_to_token.clone()
-                chain[chain_row, :P] = req_to_token[rid, :P]
-                chain[chain_row, P:P + d + 1] = req_to_token[rid, [P + a for a in path]]
+                chain = path_as_chain(req_to_token, rid, P, path, chain_row)
                 ref = StandIn(chain, mapping, n).make_core_attn_metadata(
                     req_to_token=chain, req_pool_indices_repeated=torch.tensor([chain_row], dtype=torch.int32),
                     seq_lens_casual=torch.tensor([P + d + 1], dtype=torch.int32), max_seq_len=chain.shape[1],

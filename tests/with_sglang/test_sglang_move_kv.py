@@ -18,7 +18,7 @@ from dsv4_tree.sglang_plugin.scratch import pool_layers
 from plugin_probe import dsv4_dir
 from sgl_cases import PAGE, layout
 from sgl_pool import fill_random, make_pool, published_context, snapshot
-from sgl_round import Case, differing, window_mask
+from sgl_round import Case, differing, unchanged, window_mask
 
 DRAFT_RATIOS = (0, 0, 0)  # the MTP layer's compress ratio is 0: the draft pool has no compressed layers
 
@@ -28,10 +28,6 @@ def context(tmp_path_factory):
     with published_context(dsv4_dir(str(tmp_path_factory.mktemp("models"))), 8):
         install_move_kv_cache()
         yield
-
-
-def unchanged(before):
-    return {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in before.items()}
 
 
 class _Spec:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 
 from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
-from sgl_cases import PAGE, StandIn, layout, same, sglang_tree
+from sgl_cases import PAGE, StandIn, layout, path_as_chain, same, sglang_tree
 
 EQUAL_ROW_FIELDS = ("seq_lens_casual", "positions_casual", "swa_page_indices", "swa_topk_lengths",
                     "c4_topk_lengths_raw", "c4_topk_lengths_clamp1", "c4_sparse_topk_lengths",
@@ -55,9 +55,7 @@ def test_tree_rows_equal_their_paths_as_chains(no_flashmla_schedule, bs, topk, s
         P, rid = lens[b], int(rpi[b])
         for i, path in enumerate(paths(tree.parents[b])):
             t, d = b * n + i, len(path) - 1
-            chain = req_to_token.clone()
-            chain[chain_row, :P] = req_to_token[rid, :P]
-            chain[chain_row, P:P + d + 1] = req_to_token[rid, [P + a for a in path]]
+            chain = path_as_chain(req_to_token, rid, P, path, chain_row)
             cb = StandIn(chain, mapping, n)
             ref = cb.make_core_attn_metadata(
                 req_to_token=chain, req_pool_indices_repeated=torch.tensor([chain_row], dtype=torch.int32),
