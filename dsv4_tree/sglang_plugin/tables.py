@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..serving.swa_table import tree_swa_page_indices
+from ..serving.tables import ancestors as packed_ancestors
 
 
 def parents_from_retrieve(retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor) -> torch.Tensor:
@@ -63,13 +64,14 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
 
 
 def ancestors(parents: torch.Tensor, width: int) -> torch.Tensor:
-    """parents [bs, N] -> [bs, N, width] int64: column k = k-th ancestor (k = 0: the node), -1 above the root."""
+    """parents [bs, N] (local node ids, -1 at roots) -> [bs, N, width] int64: column k = k-th
+    ancestor (k = 0: the node), -1 above the root. The engine's packed-row doubling
+    (`serving.tables.ancestors`) on the batch's nodes numbered b * N + i."""
     bs, n = parents.shape
-    cols = [torch.arange(n, device=parents.device).expand(bs, n)]
-    for _ in range(width - 1):
-        up = parents.gather(1, cols[-1].clamp_min(0))
-        cols.append(torch.where(cols[-1] >= 0, up, -1))
-    return torch.stack(cols, dim=2)
+    base = (torch.arange(bs, device=parents.device) * n).view(bs, 1)
+    packed = torch.where(parents >= 0, parents.to(torch.int64) + base, -1).reshape(-1)
+    anc = packed_ancestors(packed, width).view(bs, n, width)
+    return torch.where(anc >= 0, anc - base.unsqueeze(2), -1)
 
 
 def tree_verify_lengths(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, depth: torch.Tensor):
