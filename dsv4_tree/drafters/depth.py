@@ -23,6 +23,7 @@ commit) reads how far each request advanced and updates both. Verify is exact wh
 tree shape, so the policy changes speed only (design_notes/adaptive-depth.md)."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -201,10 +202,12 @@ def _host(x) -> np.ndarray:
     return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
+@functools.lru_cache(maxsize=64)
 def _depths_of(p: int, topk: int) -> np.ndarray:
-    """1-based depths of candidate ids 0..p-1 (candidate_depths, on the host)."""
-    ids = np.arange(p)
-    return np.where(ids < topk, 1, 2 + (ids - topk) // (topk * topk))
+    """1-based depths of candidate ids 0..p-1 (candidate_depths, once per pool width)."""
+    out = candidate_depths(torch.arange(p), topk).numpy()
+    out.flags.writeable = False  # shared by every call with this width
+    return out
 
 
 def _best_value(scores, value, m: int):
