@@ -156,6 +156,8 @@ def test_eos_outside_the_vocabulary_is_refused(setup, eos):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(device="gpu0"), "device 'gpu0'"), (dict(device=3.5), "device must be"),
     (dict(dtype=torch.int64), "floating torch.dtype"), (dict(dtype="bfloat16"), "floating torch.dtype"),
+    # an index past the CUDA devices this process sees (cuda:0 without CUDA): refused before loading
+    (dict(device=f"cuda:{torch.cuda.device_count()}"), r"sees \d+ cuda device\(s\).*nothing was loaded"),
 ])
 def test_load_model_arguments(kwargs, match):
     with pytest.raises(dt.InputError, match=match):

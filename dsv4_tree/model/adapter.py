@@ -87,15 +87,24 @@ class Model:
 
 
 def check_device(device) -> torch.device:
-    """device as a torch.device, or InputError naming the bad value (torch's own message kept)."""
+    """device as a torch.device, or InputError naming the bad value (torch's own message kept) or a
+    device this process cannot see (e.g. "cuda" without CUDA), checked before anything is loaded."""
     if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
         raise InputError(f"device must be a torch.device, a device string ('cpu', 'cuda:0') or an index, "
                          f"got {device!r}")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise InputError(f"device {device!r} is not a device torch knows ('cpu', 'cuda', 'cuda:0', 'meta', ...): "
                          f"{exc}") from exc
+    backend = getattr(torch, dev.type, None) if dev.type not in ("cpu", "meta") else None
+    if backend is not None and hasattr(backend, "is_available") and hasattr(backend, "device_count"):
+        count = backend.device_count() if backend.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise InputError(f"device {device!r}: this process sees {count} {dev.type} device(s)"
+                             + (f" (indices 0 to {count - 1})" if count else f"; torch.{dev.type}.is_available() "
+                                "is False") + "; nothing was loaded or moved")
+    return dev
 
 
 def load_model(source, device=None, dtype=None, quantized: str = "dequantize", distributed_config=None) -> Model:
