@@ -16,38 +16,11 @@ from .errors import Dsv4TreeError, InputError
 from .generate import GenerateStats, resolve_sampling
 from .model.adapter import load_model
 from .checkpoint.tiny import trained_checkpoint
+from .cli_args import check_args, int_at_least, prompt_text, real_in, seed_value, spec_preset, token_ids
 from .reference.per_path import per_path_logits, relative_error
 from .round_stats import describe, end_round, note_round, timed_verify
 
 REL_ERR_BOUND = 1e-4  # fp32: see design_notes/tolerances.md
-
-
-def _int_at_least(low: int):
-    """argparse type: an int >= low (argparse names the flag in its error)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-def _real_in(low: float, high: float, low_open: bool = False):
-    """argparse type: a float in [low, high] ((low, high] with low_open)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high:
-            raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {text}")
-        return value
-    parse.__name__ = "float"
-    return parse
 
 
 def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
@@ -55,12 +28,12 @@ def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
                    help="checkpoint directory: HF layout (config.json + *.safetensors) or DeepSeek's release "
                         "format (FP8/FP4, sharded), loaded on CPU in fp32; default: the shipped "
                         "trained byte-level checkpoint (dsv4_tree/checkpoints/tiny-stdlib-bytes)")
-    p.add_argument("--spec", default=None,
+    p.add_argument("--spec", type=spec_preset, default=None,
                    help="SpecConfig TOML preset (configs/*.toml); each flag below replaces only its own field of it")
-    p.add_argument("--topk", type=_int_at_least(1), default=None,
+    p.add_argument("--topk", type=int_at_least(1), default=None,
                    help="eagle_topk: children per draft node; >1 drafts trees")
-    p.add_argument("--num-steps", type=_int_at_least(1), default=None, help="num_steps: maximum draft depth")
-    p.add_argument("--num-draft-tokens", type=_int_at_least(1), default=None,
+    p.add_argument("--num-steps", type=int_at_least(1), default=None, help="num_steps: maximum draft depth")
+    p.add_argument("--num-draft-tokens", type=int_at_least(1), default=None,
                    help="num_draft_tokens: nodes per tree, root included. Default: a chain has num_steps+1; a "
                         "tree keeps the --spec preset's count; a chain made a tree by --topk K gets "
                         "min(2*num_steps + K, 1 + K + (num_steps-1)*K^2)")
@@ -72,11 +45,12 @@ def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
     if mask_mode:
         p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
                        help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode) that --tensors-out saves")
-    p.add_argument("--temperature", type=_real_in(0.0, float("inf")), default=None,
+    p.add_argument("--temperature", type=real_in(0.0, float("inf")), default=None,
                    help="sampling temperature (accept=sampling; default 1.0); greedy refuses values other than 0")
-    p.add_argument("--top-p", type=_real_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus for sampling, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="seed for the prompt, the drafter and sampling")
-    p.add_argument("--threads", type=_int_at_least(0), default=1,
+    p.add_argument("--top-p", type=real_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus for sampling, in (0, 1]")
+    p.add_argument("--seed", type=seed_value, default=0,
+                   help="seed for the prompt, the drafter and sampling (0 to 2^63-1)")
+    p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="torch CPU threads (default 1: on the shipped tiny models intra-op threads cost more than "
                         "they save, and far more when other processes share the cores); 0 = torch's choice")
 
@@ -98,7 +72,7 @@ def default_tree_nodes(topk: int, steps: int) -> int:
 
 def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
     """The preset (or base) with each given flag replacing its own field (see --help)."""
-    spec = SpecConfig.from_file(args.spec) if args.spec else (base or SpecConfig())
+    spec = args.spec or base or SpecConfig()  # args.spec: the preset --spec read (cli_args.spec_preset)
     changes = {}
     if args.topk is not None:
         changes["eagle_topk"] = args.topk
@@ -126,7 +100,7 @@ def _load(args):
         return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype)
     from .checkpoint.parallel import distributed_config_for
 
-    config = distributed_config_for(tp, ep, args.ep_implementation)
+    config = distributed_config_for(tp, ep, args.ep_implementation or "auto")
     return load_model(args.checkpoint or trained_checkpoint(), dtype=dtype, distributed_config=config)
 
 
@@ -143,7 +117,7 @@ def _prompt(model, length: int, seed: int, text: str | None = None) -> list:
     if _is_bytes(model):
         return encode(text) if text is not None else heldout_prompt(length, seed)
     if text is not None:
-        raise Dsv4TreeError("--prompt-text needs a byte-level checkpoint")
+        raise InputError("--prompt-text needs a byte-level checkpoint")
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, model.vocab_size, (length,), generator=g).tolist()
 
@@ -232,13 +206,7 @@ def cmd_generate(args) -> int:
     model = _load(args)
     engine = Engine(model, _spec(args))
     drafter = _drafter(engine, args)
-    if args.prompt is not None:
-        try:
-            prompt = [int(t) for t in args.prompt.split(",")]
-        except ValueError as exc:
-            raise InputError(f"--prompt must be comma-separated integer token ids: {exc}") from exc
-    else:
-        prompt = _prompt(model, args.prompt_len, args.seed, args.prompt_text)
+    prompt = args.prompt if args.prompt is not None else _prompt(model, args.prompt_len, args.seed, args.prompt_text)
     gen = torch.Generator().manual_seed(args.seed)
     res = engine.generate(prompt, args.max_new_tokens, drafter=drafter, temperature=args.temperature,
                           top_p=args.top_p, eos_token_id=args.eos, generator=gen)
@@ -278,13 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="verify rounds as a chain and as a tree on the same prompt, every round checked "
                                     "against per-path HF runs; --topk/--num-steps/--num-draft-tokens/--spec run one mode")
     _spec_args(d, mask_mode=True)
-    d.add_argument("--prompt-len", type=_int_at_least(2), default=150,
+    d.add_argument("--prompt-len", type=int_at_least(2), default=150,
                    help="prompt length: held-out stdlib bytes for byte-level checkpoints, random ids otherwise")
-    d.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
+    d.add_argument("--prompt-text", type=prompt_text, default=None, help="prompt text (byte-level checkpoints)")
     d.add_argument("--drafter", choices=DRAFTER_NAMES, default="mtp",
                    help="mtp: the checkpoint's MTP block; ngram: prompt lookup; planted: synthetic test drafter")
-    d.add_argument("--rounds", type=_int_at_least(1), default=8, help="verify rounds to run")
-    d.add_argument("--corrupt", type=_real_in(0.0, 1.0), default=0.25,
+    d.add_argument("--rounds", type=int_at_least(1), default=8, help="verify rounds to run")
+    d.add_argument("--corrupt", type=real_in(0.0, 1.0), default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
     d.add_argument("--tensors-out", default=None,
                    help="save each round's SGLang-compatible tree tensors (mask in --mask-mode layout) to this .pt file")
@@ -294,32 +262,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
                         "planted: synthetic test drafter")
-    g.add_argument("--prompt", default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
-    g.add_argument("--prompt-len", type=_int_at_least(2), default=64, help="length of the default prompt")
-    g.add_argument("--prompt-text", default=None, help="prompt text (byte-level checkpoints)")
-    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=64, help="token budget")
-    g.add_argument("--eos", type=_int_at_least(0), default=None, help="stop after this token id")
-    g.add_argument("--corrupt", type=_real_in(0.0, 1.0), default=0.25, help="planted drafter: corruption probability")
+    g.add_argument("--prompt", type=token_ids, default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
+    g.add_argument("--prompt-len", type=int_at_least(2), default=64, help="length of the default prompt")
+    g.add_argument("--prompt-text", type=prompt_text, default=None, help="prompt text (byte-level checkpoints)")
+    g.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="token budget")
+    g.add_argument("--eos", type=int_at_least(0), default=None, help="stop after this token id")
+    g.add_argument("--corrupt", type=real_in(0.0, 1.0), default=0.25, help="planted drafter: corruption probability")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="model dtype (a release checkpoint is dequantised to it)")
-    g.add_argument("--tp", type=_int_at_least(1), default=None,
+    g.add_argument("--tp", type=int_at_least(2), default=None,
                    help="tensor parallelism over N ranks (under torchrun --nproc-per-node N): transformers' own "
                         "plan, experts split, embedding and head split by vocabulary")
-    g.add_argument("--ep", type=_int_at_least(1), default=None,
+    g.add_argument("--ep", type=int_at_least(2), default=None,
                    help="expert parallelism over N ranks (under torchrun; tp_size = ep_size = N): whole experts "
                         "per rank")
-    g.add_argument("--ep-implementation", choices=("auto", "all_reduce", "all_to_all"), default="auto",
-                   help="how --ep brings the experts their tokens (transformers' ep_implementation)")
+    g.add_argument("--ep-implementation", choices=("auto", "all_reduce", "all_to_all"), default=None,
+                   help="how --ep brings the experts their tokens (transformers' ep_implementation; default "
+                        "auto); needs --ep")
     g.set_defaults(func=cmd_generate)
     t = sub.add_parser("train-tiny", help="train the small byte-level DeepSeek-V4 + MTP on the stdlib sources (CPU)")
     t.add_argument("--out", required=True, help="output checkpoint directory (HF layout + mtp.* + training.json)")
-    t.add_argument("--steps", type=_int_at_least(1), default=2000, help="optimizer steps")
-    t.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step")
-    t.add_argument("--seq-len", type=_int_at_least(1), default=384, help="bytes per sequence (several times 128)")
-    t.add_argument("--lr", type=_real_in(0.0, float("inf"), low_open=True), default=3e-3, help="peak learning rate (warmup, cosine decay)")
-    t.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
-    t.add_argument("--eval-every", type=_int_at_least(1), default=250, help="validation interval (steps)")
-    t.add_argument("--max-files", type=_int_at_least(1), default=None, help="use only the first N stdlib files (smoke runs)")
+    t.add_argument("--steps", type=int_at_least(1), default=2000, help="optimizer steps")
+    t.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
+    t.add_argument("--seq-len", type=int_at_least(1), default=384, help="bytes per sequence (several times 128)")
+    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
+                   help="peak learning rate (warmup, cosine decay); finite, > 0. A run whose loss stops being "
+                        "finite stops with an error and writes no checkpoint past the last finite one")
+    t.add_argument("--seed", type=seed_value, default=0, help="seed for weights and batches (0 to 2^63-1)")
+    t.add_argument("--eval-every", type=int_at_least(1), default=250, help="validation interval (steps)")
+    t.add_argument("--max-files", type=int_at_least(1), default=None,
+                   help="use only the first N stdlib files (smoke runs); both splits (every 10th file is "
+                        "validation) must hold a --seq-len window, checked before training")
     t.set_defaults(func=cmd_train_tiny)
     return ap
 
@@ -327,8 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if getattr(args, "mask_mode", None) is not None and not args.tensors_out:
-        ap.error("--mask-mode sets the layout of the tensors --tensors-out saves: give --tensors-out FILE.pt too")
+    check_args(ap, args)
     try:
         return args.func(args)
     except Dsv4TreeError as exc:

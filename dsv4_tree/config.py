@@ -91,12 +91,17 @@ class SpecConfig:
         """Read a TOML preset; keys are SpecConfig fields, either at top level or under [spec]."""
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise ConfigError(f"spec config file not found: {path}") from exc
+        except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, not UTF-8 (as TOML is)
+            raise ConfigError(f"{path}: not a readable UTF-8 TOML file: {exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
         data = data.get("spec", data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: 'spec' must be a table of SpecConfig fields ([spec]), "
+                              f"got {type(data).__name__} {data!r:.60}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -1,5 +1,6 @@
 """The command line: demo (checked per path), generate, errors and help."""
 import json
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,64 @@ def test_bad_flag_values_exit_2_naming_the_flag(argv, flag, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and "usage:" in err, err
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    """Every command replaced by a failure: what exits 2 here was refused before any work."""
+    import dsv4_tree.cli as cli
+
+    def ran(args):
+        raise AssertionError(f"{args.command} ran past the argument checks")
+
+    for name in ("cmd_demo", "cmd_generate", "cmd_train_tiny"):
+        monkeypatch.setattr(cli, name, ran)
+
+
+@pytest.mark.parametrize("argv,flag,why", [
+    (["demo", "--seed", str(10**25)], "--seed", "in [0, 9223372036854775807]"),
+    (["generate", "--seed", "-1"], "--seed", "in [0,"),
+    (["demo", "--tensors-out", "no-such-dir/sub/t.pt"], "--tensors-out", "'no-such-dir/sub' does not exist"),
+    (["demo", "--tensors-out", "."], "--tensors-out", "is a directory"),
+    (["train-tiny", "--out", "ck", "--max-files", "1"], "--max-files", "training split holds 0 bytes"),
+    (["train-tiny", "--out", "ck", "--max-files", "2"], "--max-files", "max_files >= 3 works"),
+    (["generate", "--ep-implementation", "all_to_all"], "--ep-implementation", "give --ep N too"),
+    (["generate", "--tp", "2", "--ep-implementation", "all_reduce"], "--ep-implementation", "give --ep N too"),
+    (["generate", "--tp", "2", "--ep", "4"], "--ep 4 needs --tp 4", "ep_size == tp_size"),
+    (["generate", "--tp", "1"], "--tp", "must be >= 2"),
+    (["train-tiny", "--out", "ck", "--lr", "inf"], "--lr", "finite"),
+    (["train-tiny", "--out", "ck", "--lr", "nan"], "--lr", "finite"),
+    (["demo", "--temperature", "inf"], "--temperature", "finite"),
+    (["demo", "--prompt-text", ""], "--prompt-text", "at least one character"),
+    (["generate", "--prompt-text", ""], "--prompt-text", "at least one character"),
+    (["generate", "--prompt", ""], "--prompt", "comma-separated integer token ids"),
+    (["generate", "--prompt=-1,2"], "--prompt", "must be >= 0"),
+])
+def test_bad_values_are_refused_before_any_work(argv, flag, why, no_work, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and flag in err and why in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "not a readable UTF-8 TOML file"),  # a directory
+    (b"spec = 3\n", "'spec' must be a table of SpecConfig fields ([spec]), got int 3"),
+    (b"\xff\xfe eagle_topk = 4\n", "not a readable UTF-8 TOML file"),
+    (b'eagle_topk = "four"\n', "SpecConfig.eagle_topk must be an int"),  # read, then checked as SpecConfig(**fields)
+])
+def test_a_bad_spec_file_is_refused_naming_the_flag(content, why, no_work, capsys, tmp_path):
+    import dsv4_tree as dt
+
+    path = tmp_path / "preset.toml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--spec", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --spec" in err and why in err and "Traceback" not in err, err
+    with pytest.raises(dt.ConfigError, match=re.escape(why)):  # the library says the same
+        dt.SpecConfig.from_file(path)
 
 
 def test_flags_apply_on_top_of_a_preset():
