@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..checkpoint.mtp import MtpBlock, add_mtp_to_checkpoint
 from ..checkpoint.tiny import random_model, random_mtp, tiny_config
-from .corpus import BOS, EOS, VOCAB, batches, load_corpus
+from ..errors import ConfigError
+from .corpus import BOS, EOS, VOCAB, batches, check_windows, load_corpus
 
 BYTE_MODEL = dict(
     vocab_size=VOCAB, hidden_size=128, moe_intermediate_size=96, num_attention_heads=4, head_dim=32,
@@ -79,7 +80,18 @@ def losses(model, mtp, capture, seq: torch.Tensor):
     return main, mtp_loss
 
 
+def _check_finite(cfg: TrainConfig, step: int, what: str, bpb: float, saved: int | None) -> None:
+    """A diverged run writes no checkpoint: ConfigError naming lr, before any save."""
+    if not math.isfinite(bpb):
+        kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint was written"
+        raise ConfigError(f"TrainConfig.lr={cfg.lr}: the {what} loss is {bpb} at step {step}, training diverged; "
+                          f"{kept} (use a smaller lr)")
+
+
 def train(cfg: TrainConfig, out_dir: Path, log=print) -> dict:
+    """Train, evaluate and save at every save point; ConfigError (and no checkpoint written
+    past the last finite one) as soon as a training or validation loss is not finite."""
+    check_windows(cfg.max_files, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.max_files)
     config = tiny_config(**BYTE_MODEL)
@@ -102,21 +114,27 @@ def train(cfg: TrainConfig, out_dir: Path, log=print) -> dict:
     log(f"[train] {n_params / 1e6:.2f}M main + {n_mtp / 1e6:.2f}M MTP params; corpus {corpus.train.numel()} train / "
         f"{corpus.val.numel()} val bytes from {len(corpus.train_files) + len(corpus.val_files)} files (Python "
         f"{corpus.python_version})")
-    t0 = time.time()
+    t0, saved = time.time(), None
     for step in range(1, cfg.steps + 1):
         lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
         for group in opt.param_groups:
             group["lr"] = max(lr, cfg.lr * 0.02)
         main, mtp_loss = losses(model, mtp, capture, batches(corpus.train, cfg.batch, cfg.seq_len, g))
+        bpb, mtp_bpb = float(main.detach()) / math.log(2), float(mtp_loss.detach()) / math.log(2)
+        _check_finite(cfg, step, "training", bpb, saved)
+        _check_finite(cfg, step, "training MTP", mtp_bpb, saved)
         (main + cfg.mtp_weight * mtp_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         history["step"].append(step)
-        history["train_bpb"].append(float(main.detach()) / math.log(2))
-        history["train_mtp_bpb"].append(float(mtp_loss.detach()) / math.log(2))
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        history["train_bpb"].append(bpb)
+        history["train_mtp_bpb"].append(mtp_bpb)
+        save_now = step % cfg.save_every == 0 or step == cfg.steps
+        if step % cfg.eval_every == 0 or save_now:  # every checkpoint has its own validation loss
             v, vm = evaluate(model, mtp, capture, val_set)
+            _check_finite(cfg, step, "validation", v, saved)
+            _check_finite(cfg, step, "validation MTP", vm, saved)
             history["val_step"].append(step)
             history["val_bpb"].append(v)
             history["val_mtp_bpb"].append(vm)
@@ -125,8 +143,9 @@ def train(cfg: TrainConfig, out_dir: Path, log=print) -> dict:
         elif step % 25 == 0:
             log(f"[train] step {step}/{cfg.steps} train {history['train_bpb'][-1]:.3f} bpb "
                 f"(MTP {history['train_mtp_bpb'][-1]:.3f}), {time.time() - t0:.0f}s")
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        if save_now:
             save(model, mtp, out_dir, cfg, corpus, history, n_params, n_mtp, time.time() - t0)
+            saved = step
     capture.handle.remove()
     return history
 
