@@ -112,7 +112,7 @@ def test_draft_folds_the_extend_into_step_0(monkeypatch):
     extend pass) and leaves the caches a separate extend would: three requests, one past the
     window (8), one inside it, one already extended (no pending rows), over rounds that commit
     different path lengths."""
-    import dsv4_tree.drafters.mtp_rows as rows_module
+    import dsv4_tree.drafters.window_layer as rows_module
 
     model = mtp_model()
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
@@ -126,13 +126,13 @@ def test_draft_folds_the_extend_into_step_0(monkeypatch):
         passes.append(1)
         return real(*args)
 
-    real = rows_module.layer_kv_rows
+    real = rows_module.kv_rows
 
     for rnd in range(4):
         ref_draft_extend(folded, reqs[2:])  # request 2 has no pending rows at the draft
         passes.clear()
         with monkeypatch.context() as m:
-            m.setattr(rows_module, "layer_kv_rows", counted)
+            m.setattr(rows_module, "kv_rows", counted)
             trees = folded.draft(eng, reqs)
         assert len(passes) == 3, f"{rnd=}: {len(passes)} draft-layer passes for 3 steps (a separate extend adds one)"
         for cache, want in zip([folded.caches[r.request_id] for r in reqs], ref_draft_extend(separate, reqs)):

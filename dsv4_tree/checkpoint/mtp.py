@@ -55,7 +55,7 @@ CKPT_TO_MODULE = {
     **{f"{m}.weight": f"{m}.weight" for m in ("enorm", "hnorm", "e_proj", "h_proj", "norm")},
 }
 MODULE_TO_CKPT = {v: k for k, v in CKPT_TO_MODULE.items()}
-_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+EXPERT_NAME = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 def mtp_config(config: DeepseekV4Config) -> DeepseekV4Config:
@@ -86,12 +86,35 @@ class MtpBlock(nn.Module):
         return (e.unsqueeze(1) + self.h_proj(rms_norm(self.hnorm, hidden))).unsqueeze(0)
 
 
+def stack_experts(experts: dict, prefix: str, n: int, into: str) -> dict:
+    """Per-expert checkpoint weights {(i, "w1"|"w2"|"w3"): tensor} -> the decoder's stacked
+    `{into}mlp.experts.gate_up_proj` / `down_proj`; CheckpointError names the first missing one."""
+    missing = [(i, w) for i in range(n) for w in ("w1", "w2", "w3") if (i, w) not in experts]
+    if missing:
+        raise CheckpointError(f"experts incomplete: missing {prefix}ffn.experts.{missing[0][0]}.{missing[0][1]}.weight")
+    return {f"{into}mlp.experts.gate_up_proj": torch.stack(
+                [torch.cat([experts[(i, "w1")], experts[(i, "w3")]], 0) for i in range(n)]),
+            f"{into}mlp.experts.down_proj": torch.stack([experts[(i, "w2")] for i in range(n)])}
+
+
+def split_experts(sd: dict, into: str, prefix: str) -> dict:
+    """Inverse of stack_experts: the decoder's stacked experts under `into` -> checkpoint names under `prefix`."""
+    gate_up, down = sd[f"{into}mlp.experts.gate_up_proj"], sd[f"{into}mlp.experts.down_proj"]
+    half = gate_up.shape[1] // 2
+    out = {}
+    for i in range(gate_up.shape[0]):
+        out[f"{prefix}ffn.experts.{i}.w1.weight"] = gate_up[i, :half].contiguous()
+        out[f"{prefix}ffn.experts.{i}.w3.weight"] = gate_up[i, half:].contiguous()
+        out[f"{prefix}ffn.experts.{i}.w2.weight"] = down[i].contiguous()
+    return out
+
+
 def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
     """Checkpoint tensors named mtp.0.* -> MtpBlock state dict (experts stacked)."""
     out, experts = {}, {}
     for name, t in tensors.items():
         sub = name[len(MTP_PREFIX) :]
-        m = _EXPERT.match(sub)
+        m = EXPERT_NAME.match(sub)
         if m:
             experts[(int(m.group(1)), m.group(2))] = t
             continue
@@ -99,13 +122,7 @@ def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
         if target is None:
             raise CheckpointError(f"unrecognised MTP tensor {name!r}")
         out[target] = t
-    n = config.n_routed_experts
-    missing = [(i, w) for i in range(n) for w in ("w1", "w2", "w3") if (i, w) not in experts]
-    if missing:
-        raise CheckpointError(f"MTP experts incomplete: missing {MTP_PREFIX}ffn.experts.{missing[0][0]}.{missing[0][1]}.weight")
-    out["decoder.mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([experts[(i, "w1")], experts[(i, "w3")]], 0) for i in range(n)])
-    out["decoder.mlp.experts.down_proj"] = torch.stack([experts[(i, "w2")] for i in range(n)])
+    out.update(stack_experts(experts, MTP_PREFIX, config.n_routed_experts, "decoder."))
     return out
 
 
@@ -113,12 +130,7 @@ def to_checkpoint_names(block: MtpBlock) -> dict:
     """Inverse of mtp_state_dict: MtpBlock weights in DeepSeek's checkpoint naming."""
     sd = {k: v.detach().clone().contiguous() for k, v in block.state_dict().items()}
     out = {MTP_PREFIX + MODULE_TO_CKPT[k]: v for k, v in sd.items() if k in MODULE_TO_CKPT}
-    gate_up, down = sd["decoder.mlp.experts.gate_up_proj"], sd["decoder.mlp.experts.down_proj"]
-    half = gate_up.shape[1] // 2
-    for i in range(gate_up.shape[0]):
-        out[f"{MTP_PREFIX}ffn.experts.{i}.w1.weight"] = gate_up[i, :half].contiguous()
-        out[f"{MTP_PREFIX}ffn.experts.{i}.w3.weight"] = gate_up[i, half:].contiguous()
-        out[f"{MTP_PREFIX}ffn.experts.{i}.w2.weight"] = down[i].contiguous()
+    out.update(split_experts(sd, "decoder.", MTP_PREFIX))
     unused = set(sd) - set(MODULE_TO_CKPT) - {"decoder.mlp.experts.gate_up_proj", "decoder.mlp.experts.down_proj"}
     unused = {k for k in unused if not k.endswith(("inv_freq", "original_inv_freq"))}
     if unused:
@@ -135,6 +147,12 @@ def load_mtp(model) -> MtpBlock:
     """The MTP block of a loaded model's checkpoint (reads its safetensors again)."""
     if model.source is None:
         raise CheckpointError("the model was not loaded from a checkpoint directory, so its mtp.* weights are unknown")
+    from .dspark import DSPARK_KEYS
+    from .files import read_config
+
+    if any(k in read_config(model.source) for k in DSPARK_KEYS):
+        raise CheckpointError(f"{model.source}: its mtp.* tensors are a DSpark module (config.json has dspark_* keys), "
+                              "not an MTP block: draft with drafter='dspark'")
     tensors = read_mtp_tensors(model.source)
     if not tensors:
         raise CheckpointError(

@@ -82,18 +82,25 @@ def _shard_of(name: str, num_layers: int) -> int:
     return 1
 
 
-def write_release(directory, model, mtp=None) -> Path:
-    """Save a DeepseekV4ForCausalLM (and its MtpBlock, if given) in the release format to
-    `directory` (written to a temporary sibling, then renamed into place)."""
+def write_release(directory, model, mtp=None, dspark=None) -> Path:
+    """Save a DeepseekV4ForCausalLM (and its MtpBlock or its DSparkModule, if given: both live
+    under `mtp.*`, so at most one) in the release format to `directory` (written to a temporary
+    sibling, then renamed into place). A DSpark module adds its `dspark_*` keys to config.json."""
+    from .dspark_names import to_checkpoint_names as dspark_names
     from .mtp import to_checkpoint_names
 
+    if mtp is not None and dspark is not None:
+        raise CheckpointError("write_release: an MTP block and a DSpark module would both be stored as mtp.*; "
+                              "pass one (a DSpark module can also go in a dspark/ subfolder: write_dspark)")
     directory = Path(directory)
     dense = release_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     if mtp is not None:
         dense.update({k: v.cpu() for k, v in to_checkpoint_names(mtp).items()})
+    if dspark is not None:
+        dense.update({k: v.cpu() for k, v in dspark_names(dspark).items()})
     stored, not_converted = quantize_release(dense)
     num_layers = model.config.num_hidden_layers
-    shards = shard_names(3 if mtp is not None else 2)
+    shards = shard_names(3 if mtp is not None or dspark is not None else 2)
     parts = [dict() for _ in shards]
     for name in sorted(stored):
         parts[_shard_of(name, num_layers)][name] = stored[name].contiguous()
@@ -107,6 +114,8 @@ def write_release(directory, model, mtp=None) -> Path:
         cfg = model.config.to_dict()
         cfg.update(architectures=["DeepseekV4ForCausalLM"], dtype="bfloat16", num_nextn_predict_layers=1 if mtp is not None else 0,
                    quantization_config=quantization_config(not_converted))
+        if dspark is not None:
+            cfg.update(dspark.settings.to_config(), num_nextn_predict_layers=dspark.settings.num_stages)
         cfg.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return directory

@@ -139,6 +139,22 @@ def random_mtp(config: DeepseekV4Config, seed: int = TINY_SEED):
     return block
 
 
+def random_dspark(config: DeepseekV4Config, settings, seed: int = TINY_SEED):
+    """A seeded random DSpark module for `config` with `settings` (a DSparkSettings; same value
+    rules as the main weights)."""
+    from .dspark import DSparkModule
+
+    torch.manual_seed(seed + 2)
+    module = DSparkModule(config, settings).eval()
+    g = torch.Generator().manual_seed(seed + 2)
+    named = dict(module.named_parameters())
+    named.update({n: b for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")})
+    with torch.no_grad():
+        for name in sorted(named):
+            _fill(name, named[name], g, settings.n_routed_experts or config.n_routed_experts)
+    return module
+
+
 @contextlib.contextmanager
 def replaced_directory(directory: Path):
     """Yield a fresh folder beside `directory`; when the block succeeds it replaces `directory`

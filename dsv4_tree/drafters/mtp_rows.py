@@ -12,12 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.layer import kv_rows as layer_kv_rows
-from ..numerics.hc import hc_collapse, hc_head, hc_merge, hc_weights
-from ..numerics.moe import moe_rows
+from ..numerics.hc import hc_head
 from ..numerics.norms import rms_norm
-from ..numerics.rope import apply_rope, rope_pairs, rope_tables
-from ..attention.torch_ops import sparse_mqa_sink
+from ..numerics.rope import rope_pairs, rope_tables
+from .window_layer import window_layer_rows
 
 
 @dataclass
@@ -67,26 +65,6 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     """draft_rows without the head, and only K=V for rows before `first` (a draft's step 0: the
     pending draft-extend rows need nothing else). index [T - first, K] lists keys of rows
     first.. only. -> (output streams [1, T - first, hc, d], K=V rows of all T rows [T, head_dim])."""
-    layer, attn = mtp.decoder, mtp.decoder.self_attn
-    nh, d = attn.num_heads, attn.head_dim
     h, c, s = layer_input(model, mtp, ids, hidden_in, positions)
-    cos, sin = rope_tables(c, s, d)  # full width (numerics/rope.py): once for q, K=V and the inverse
-    post, comb, collapsed = hc_weights(layer.attn_hc, h)
-    x = rms_norm(layer.input_layernorm, collapsed)
-    kv = layer_kv_rows(attn, x, cos, sin, apply_rope)
-    if first:
-        h, post, comb, x = h[:, first:], post[:, first:], comb[:, first:], x[:, first:]
-        cos, sin, ids = cos[:, :, first:], sin[:, :, first:], ids[first:]
-    t = ids.shape[0]
-    q = attn.q_b_proj(rms_norm(attn.q_a_norm, attn.q_a_proj(x))).view(1, t, nh, d).transpose(1, 2)
-    q = apply_rope(rms_norm(attn.q_b_norm, q), cos, sin)[0].transpose(0, 1)  # [T, H, d]
-    keys = torch.cat([table, kv])
-    none = kv.new_zeros((0, d))
-    out, _ = sparse_mqa_sink(q, none, keys, index, none, index.new_zeros((t, 0)), attn.sinks, attn.scaling)
-    out = apply_rope(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)  # [1, T, H, d] (inverse)
-    attn_out = attn.o_b_proj(attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2))
-    h = hc_merge(post, comb, attn_out, h)
-    post, comb, collapsed = hc_weights(layer.ffn_hc, h)
-    mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids.unsqueeze(0))
-    h = hc_merge(post, comb, mlp_out, h)
-    return h, kv
+    cos, sin = rope_tables(c, s, mtp.decoder.self_attn.head_dim)  # full width (numerics/rope.py)
+    return window_layer_rows(mtp.decoder, h, cos, sin, table, index, ids, first)

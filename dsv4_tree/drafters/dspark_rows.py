@@ -1,0 +1,92 @@
+"""The DSpark forward over packed rows (checkpoint/dspark.py says what it computes).
+
+`context_rows` turns target features into every stage's context K=V rows; `block_rows` runs
+the backbone once over all requests' blocks (one pass, every request's rows together), each
+block row's keys listed by `block_index`; `markov_logits` / `confidences` are the heads.
+Differentiable (no inference mode here): the trainer runs the same functions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.layer import kv_rows
+from ..numerics.hc import hc_head
+from ..numerics.norms import rms_norm
+from ..numerics.rope import apply_rope, rope_pairs, rope_tables
+from .window_layer import window_layer_rows
+
+
+@dataclass
+class DSparkBlock:
+    """One backbone pass over B blocks of gamma rows."""
+
+    base: torch.Tensor  # [B, gamma, vocab] U_k (before the Markov bias)
+    hidden: torch.Tensor  # [B, gamma, hidden] hc-collapsed outputs before norm (confidence input)
+
+    def __post_init__(self) -> None:
+        if self.base.shape[:2] != self.hidden.shape[:2]:
+            raise ValueError(f"DSparkBlock: base {tuple(self.base.shape)} and hidden {tuple(self.hidden.shape)} differ in [B, gamma]")
+
+
+def _rope(model, module, like: torch.Tensor, positions: torch.Tensor):
+    """Full-width RoPE tables (numerics/rope.py) of a stage layer at positions [T]."""
+    attn = module.stages[0].self_attn
+    c, s = rope_pairs(*model.hf.model.rotary_emb(like, position_ids=positions.unsqueeze(0), layer_type=attn.rope_layer_type))
+    return rope_tables(c, s, attn.head_dim)
+
+
+def context_rows(model, module, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """features [T, L * hidden] at positions [T] -> each stage's context K=V [S, T, head_dim]."""
+    x = rms_norm(module.main_norm, module.main_proj(features.to(module.main_proj.weight.dtype))).unsqueeze(0)
+    cos, sin = _rope(model, module, x, positions)
+    return torch.stack([kv_rows(stage.self_attn, x, cos, sin, apply_rope) for stage in module.stages])
+
+
+def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Keys of every block row: its request's context rows (lengths [B] on the host, laid out
+    back to back from table row 0) and all gamma rows of its own block (after the M table rows).
+    -> [B * gamma, max(lengths) + gamma] ids into table ++ block rows, -1 = none."""
+    b = lengths.shape[0]
+    width = int(lengths.max()) if b else 0
+    offsets = torch.cumsum(lengths, 0) - lengths
+    j = torch.arange(width).unsqueeze(0)
+    ctx = torch.where(j < lengths.unsqueeze(1), offsets.unsqueeze(1) + j, torch.full_like(j, -1))
+    own = int(lengths.sum()) + torch.arange(b).unsqueeze(1) * gamma + torch.arange(gamma).unsqueeze(0)
+    return torch.cat([ctx, own], 1).repeat_interleave(gamma, dim=0)
+
+
+def block_ids(module, anchors: torch.Tensor) -> torch.Tensor:
+    """anchors [B] -> block input ids [B, gamma]: the anchor, then the noise token."""
+    gamma = module.block_size
+    noise = torch.full((anchors.shape[0], gamma - 1), module.settings.noise_token_id, dtype=anchors.dtype,
+                       device=anchors.device)
+    return torch.cat([anchors.unsqueeze(1), noise], 1)
+
+
+def block_rows(model, module, ids: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
+               index: torch.Tensor) -> DSparkBlock:
+    """ids [B, gamma] block input ids; starts [B] the anchors' positions; tables [S, M, head_dim]
+    context K=V per stage; index [B * gamma, K] (block_index). -> DSparkBlock."""
+    b, gamma = ids.shape
+    hf = model.hf.model
+    flat = ids.reshape(-1)
+    positions = (starts.unsqueeze(1) + torch.arange(gamma, device=starts.device)).reshape(-1)
+    emb = hf.embed_tokens(flat.unsqueeze(0))  # [1, T, d]
+    h = emb.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    cos, sin = _rope(model, module, emb, positions)
+    for stage, table in zip(module.stages, tables):
+        h, _ = window_layer_rows(stage, h, cos, sin, table, index, flat)
+    collapsed = hc_head(module.hc_head, h)  # [1, T, d]
+    base = model.hf.lm_head(rms_norm(module.norm, collapsed))[0]
+    return DSparkBlock(base.view(b, gamma, -1), collapsed[0].view(b, gamma, -1))
+
+
+def markov_logits(module, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """base [..., vocab] U_k, prev [...] the previous tokens -> U_k + W2 W1[prev], fp32 [..., vocab]."""
+    return base.float() + module.markov_bias(prev).float()
+
+
+def confidences(module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """hidden [..., hidden], prev [...] -> c [...] fp32."""
+    return module.confidence_of(hidden, prev)
