@@ -48,3 +48,16 @@ def test_every_checkpoint_has_a_finite_validation_loss(tmp_path, monkeypatch):
         train(cfg, tmp_path / "ck", log=lambda m: None)
     meta = json.loads((tmp_path / "ck" / "training.json").read_text())
     assert meta["steps_done"] == 2 and meta["history"]["val_step"] == [2], meta["history"]["val_step"]
+
+
+def test_train_tiny_that_diverges_exits_2_without_a_checkpoint(tmp_path, capsys):
+    """A finite lr the run cannot survive: the weights after the first update give a NaN
+    validation loss at step 2, the command's only save point."""
+    from dsv4_tree.cli import main
+
+    out = tmp_path / "ck"
+    assert main(["train-tiny", "--out", str(out), "--steps", "2", "--batch", "1", "--seq-len", "130",
+                 "--max-files", "4", "--eval-every", "2", "--lr", "1e30"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError: TrainConfig.lr=1e+30" in err and "loss is nan at step 2" in err, err
+    assert not out.exists()
