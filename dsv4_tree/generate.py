@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .drafters.base import check_drafted
 from .drafters.registry import resolve_drafter
 from .errors import InputError
 from .progress import token_bar
@@ -158,6 +159,7 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
     stats, new = GenerateStats(), []
     while len(new) < max_new_tokens:
         trees, draft_seconds = timed_draft(drafter, engine, [req])
+        check_drafted(drafter, [req], trees)
         tree = fit_tree(trees[0], max_new_tokens - len(new))
         out, verify_seconds = timed_verify(engine, [req], [tree])
         stats.verify_seconds += verify_seconds

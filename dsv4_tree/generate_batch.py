@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .drafters.base import check_drafted
 from .drafters.registry import resolve_drafter
 from .errors import InputError
 from .generate import (GenerateResult, GenerateStats, check_room, check_stop_args, eos_set, fit_tree,
@@ -141,6 +142,7 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks
     """One draft / verify / accept / commit round; the jobs that finished."""
     batch = [job.req for job in live]
     drafted, draft_seconds = timed_draft(drafter, engine, batch)
+    check_drafted(drafter, batch, drafted)
     trees = [fit_tree(t, job.left) for t, job in zip(drafted, live)]
     out, seconds = timed_verify(engine, batch, trees)
     if hooks is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
+from ..tree.draft_tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,33 @@ class TreeShape:
 class Drafter(Protocol):
     def draft(self, engine, requests) -> list:
         """One DraftTree per request, tokens[0] == request.root_token."""
+
+
+def check_drafted(drafter, requests, trees) -> None:
+    """What `drafter.draft(engine, requests)` returned must be a list (or tuple) of one DraftTree
+    per request, in the requests' order (tree b's root is requests[b]'s pending token); else
+    InputError naming the drafter and what it returned (type, count, the bad element's index)."""
+    name = type(drafter).__name__
+    want = f"{name}.draft(engine, requests) must return a list of one DraftTree per request"
+    if not isinstance(trees, (list, tuple)):
+        raise InputError(f"{want}; it returned {_what(trees)}")
+    if len(trees) != len(requests):
+        raise InputError(f"{want}; it returned {len(trees)} trees for {len(requests)} requests")
+    for b, (tree, req) in enumerate(zip(trees, requests)):
+        if not isinstance(tree, DraftTree):
+            raise InputError(f"{want}; element [{b}] of the {type(trees).__name__} it returned is {_what(tree)}")
+        root = int(tree.tokens[0])
+        if root != req.root_token:
+            raise InputError(f"{want}, in the requests' order; tree [{b}] it returned has root token {root}, "
+                             f"requests[{b}]'s pending root token is {req.root_token}")
+
+
+def _what(value) -> str:
+    """A short description of a value for an error message: its type, and shape or length."""
+    if value is None:
+        return "None"
+    if hasattr(value, "shape"):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"a {type(value).__name__}"
