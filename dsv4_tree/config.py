@@ -15,11 +15,20 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 DRAFT_DEPTHS = ("adaptive", "fixed")
 
 
+def check_topk_vocab(topk: int, vocab_size: int, what: str = "SpecConfig.eagle_topk") -> None:
+    """A draft node's children are distinct tokens, so at most vocab_size of them: a larger
+    topk cannot be drafted (the MTP drafter's top-k over the vocabulary would fail)."""
+    if topk > vocab_size:
+        raise ConfigError(f"{what}={topk} exceeds the model's vocabulary size {vocab_size}: a draft node has "
+                          f"at most {vocab_size} distinct children; use eagle_topk <= {vocab_size}")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings. Defaults give the chain path (eagle_topk = 1).
 
-    eagle_topk:        children per expanded draft node; > 1 turns tree verify on.
+    eagle_topk:        children per expanded draft node; > 1 turns tree verify on; at most
+                       the model's vocabulary size (the Engine checks: check_topk_vocab).
     num_steps:         draft depth (edges from the root to the deepest node).
     num_draft_tokens:  nodes per verify tree, root included. None: num_steps + 1 for a
                        chain; for a tree it must be given (SGLang's default is 8 at topk 4).
@@ -45,7 +54,9 @@ class SpecConfig:
                        steps. None: adaptive for a tree (eagle_topk > 1), fixed for a chain.
                        Both are exact (greedy output is the same); seeded sampling repeats
                        draw for draw only with "fixed" (adaptive trees follow the clock).
-                       It steers the drafter that drafts in steps (MTP); the n-gram, planted
+                       It steers the drafter that drafts in steps (MTP: by name, or an
+                       MtpDrafter built with depth=None; one built with an explicit depth that
+                       contradicts an explicit draft_depth is refused); the n-gram, planted
                        and user drafters build their trees in one go and ignore it.
     """
 

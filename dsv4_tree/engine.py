@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from .attention.backend import get_backend
-from .config import SpecConfig
+from .config import SpecConfig, check_topk_vocab
 from .errors import ConfigError, InputError, StateError
 from .engine_checks import EngineChecks, _check_hidden_rows, _is_int, _last_rows
 from .hooks import validate_spec
@@ -38,6 +38,7 @@ class Engine(EngineChecks):
                               "build one with SpecConfig(**fields) or SpecConfig.from_file(path)")
         self.model: Model = load_model(model)
         self.spec = spec if spec is not None else SpecConfig()
+        check_topk_vocab(self.spec.eagle_topk, self.model.vocab_size)
         self.limits = validate_spec(self.model.config, self.spec)
         self.ops = get_backend(self.spec.attention_backend)
         self.runtime = ServingRuntime(self.model, self.spec, self.limits)

@@ -56,8 +56,8 @@ def stops_of(monkeypatch, drafter) -> list:
     """The stop reason of every draft the drafter makes, in order."""
     seen, real = [], drafter.expand
 
-    def expand(requests):
-        out = real(requests)
+    def expand(requests, depth=None):
+        out = real(requests, depth)
         seen.append(drafter.last_round.stop)
         return out
 
@@ -229,9 +229,9 @@ def oracle_head(monkeypatch, drafter, full, margin: float = 8.0) -> None:
         out[torch.arange(len(positions)), full[positions.cpu() + 1]] = margin
         return out
 
-    def expand(requests):
+    def expand(requests, depth=None):
         current[:] = [torch.tensor([r.seq_len for r in requests])]  # the root rows' positions
-        return real_expand(requests)
+        return real_expand(requests, depth)
 
     def head(m, mtp, h):  # step 0 (the root rows)
         return peaked(current[0], real_head(m, mtp, h))

@@ -13,7 +13,10 @@ lives in `caches` until `release(req)` (Engine.release calls it).
 depth="adaptive": num_steps is a maximum; before each step s >= 1 `DepthPolicy.more` decides,
 for the whole batch, whether it pays (drafters/depth.py); a draft that stops with fewer
 candidates than num_draft_tokens - 1 gives trees of every candidate. `end_round(requests)`
-after commit feeds the policy its measurements. depth="fixed" always drafts num_steps."""
+after commit feeds the policy its measurements. depth="fixed" always drafts num_steps.
+depth=None (the default) follows the drafting engine's SpecConfig.depth_mode on every
+draft(engine, requests); an explicit depth that contradicts an explicit SpecConfig.draft_depth
+is refused (ConfigError), so neither setting is silently ignored."""
 from __future__ import annotations
 
 import time
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint.mtp import MtpBlock, load_mtp
-from ..config import DRAFT_DEPTHS
+from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, StateError
 from ..ranks import agree_choice
 from ..tree.build import local_parents, organize_draft_results
@@ -69,19 +72,33 @@ def _agreed_stop(model, stop: str | None) -> str:
     return _STOPS[agree_choice(model, _STOPS.index(stop or "max"))]
 
 
+def depth_for(drafter_depth: str | None, spec) -> str:
+    """The depth a draft for an engine with `spec` runs at: the drafter's own when it was given
+    one, else the spec's (SpecConfig.depth_mode). Both given and different: ConfigError."""
+    if drafter_depth is None:
+        return spec.depth_mode
+    if spec.draft_depth is not None and spec.draft_depth != drafter_depth:
+        raise ConfigError(f"MtpDrafter(depth={drafter_depth!r}) drafts for an engine whose SpecConfig.draft_depth="
+                          f"{spec.draft_depth!r}: give one of the two (MtpDrafter depth=None follows the engine's spec)")
+    return drafter_depth
+
+
 class MtpDrafter:
     def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False,
-                 depth: str = "fixed", clock=time.perf_counter):
-        """depth: "fixed" | "adaptive" (drafter="mtp" by name takes SpecConfig.depth_mode, adaptive
-        for trees by default); clock: () -> seconds, the adaptive policy's timer."""
-        if depth not in DRAFT_DEPTHS:
-            raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS}, got {depth!r}")
+                 depth: str | None = None, clock=time.perf_counter):
+        """depth: None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees by
+        default) | "fixed" | "adaptive"; clock: () -> seconds, the adaptive policy's timer."""
+        if depth is not None and depth not in DRAFT_DEPTHS:
+            raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS} or None, got {depth!r}")
+        check_topk_vocab(shape.topk, model.vocab_size, "TreeShape.topk")
         self.model = model
         self.mtp = mtp if mtp is not None else load_mtp(model)
         self.shape = shape
         self.record = record
         self.depth = depth
-        self.policy = None if depth == "fixed" else DepthPolicy(shape.topk, shape.num_steps, shape.num_draft_tokens, clock)
+        self.clock = clock
+        self.policy: DepthPolicy | None = None  # made on the first adaptive draft, kept across rounds
+        self._measuring = False  # the last draft was adaptive: end_round reports to the policy
         self.last_round: DraftRound | None = None  # steps the last draft ran, and why it stopped
         self.caches: dict = {}  # request_id -> DraftCache
         self.records: dict = {}  # request_id -> DraftRecord of its last draft (record=True)
@@ -89,7 +106,7 @@ class MtpDrafter:
     def end_round(self, requests, cut=()) -> None:
         """After commit of the last draft's trees: the adaptive policy learns what verify accepted
         and how long the round took (generate / generate_batch call it)."""
-        if self.policy is not None:
+        if self._measuring:
             self.policy.end_round(requests, cut)
 
     def release(self, req) -> None:
@@ -114,18 +131,31 @@ class MtpDrafter:
             self.caches[req.request_id] = cache
 
     def draft(self, engine, requests) -> list:
+        depth = depth_for(self.depth, engine.spec)
         if self.shape.num_draft_tokens == 1:  # nothing to draft: the root alone
-            self.last_round = DraftRound(0, 0, "max")
+            self.last_round, self._measuring = DraftRound(0, 0, "max"), False
             return [DraftTree.chain([r.root_token]) for r in requests]
-        return self.expand(requests).trees
+        return self.expand(requests, depth).trees
+
+    def _policy(self, depth: str) -> DepthPolicy | None:
+        """The adaptive policy for a draft at `depth` (None for "fixed")."""
+        self._measuring = depth == "adaptive"
+        if self._measuring and self.policy is None:
+            s = self.shape
+            self.policy = DepthPolicy(s.topk, s.num_steps, s.num_draft_tokens, self.clock)
+        return self.policy if self._measuring else None
 
     @torch.inference_mode()
-    def expand(self, requests) -> DraftExpansion:
+    def expand(self, requests, depth: str | None = None) -> DraftExpansion:
+        """One batched expansion. depth: "fixed" | "adaptive"; None: the drafter's own depth, or
+        "fixed" when it follows an engine's spec (expand is given no engine)."""
+        if depth is not None and depth not in DRAFT_DEPTHS:
+            raise ConfigError(f"expand depth must be one of {DRAFT_DEPTHS} or None, got {depth!r}")
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         model, w = self.model, self.model.window
         caches = self._caches(requests)
         b, dev = len(requests), model.device
-        policy = self.policy
+        policy = self._policy(depth or self.depth or "fixed")
         if policy is not None:
             policy.begin()
         # step 0, with the draft-extend of the rows committed since the last draft in the same pass

@@ -17,7 +17,7 @@ def _build(name: str, engine):
     if name == "mtp":
         from .mtp import MtpDrafter
 
-        return MtpDrafter(engine.model, shape, depth=engine.spec.depth_mode)
+        return MtpDrafter(engine.model, shape)  # depth=None: follows engine.spec.draft_depth
     if name == "ngram":
         from .ngram import NgramDrafter
 
