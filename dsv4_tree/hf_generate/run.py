@@ -5,8 +5,9 @@
 transformers prepares the generation config, logits processors, stopping criteria and model
 kwargs as for any `generate` call, then calls this in place of its `_sample` loop. We read
 what was asked (settings.py), run every row through one engine's `generate_batch` (one
-draft pass and one verify per round for the whole batch), accept against transformers' own
-target (target.py) and return transformers' layout (columns.py)."""
+draft pass and one verify per round for the whole batch; the engine is kept on the model,
+its pools sized for the call: engines.py), accept against transformers' own target
+(target.py) and return transformers' layout (columns.py)."""
 from __future__ import annotations
 
 import logging
@@ -18,12 +19,12 @@ from safetensors import safe_open
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..config import SpecConfig
-from ..engine import Engine
-from ..errors import InputError
+from ..errors import InputError, StateError
 from ..generate_batch import generate_batch
 from ..checkpoint.files import shard_files
 from ..checkpoint.mtp import MTP_PREFIX
 from .columns import Columns
+from .engines import ENGINES_ATTR, checkpoint_dir, engine_for
 from .settings import read_request
 from .target import TreeAcceptor
 
@@ -35,14 +36,6 @@ log = logging.getLogger("dsv4_tree.hf_generate")
 # for +0.05 tokens per verify), and for the n-gram trie topk 4, 3 steps, 8 nodes.
 DEFAULT_SHAPES = {"mtp": (4, 2, 8), "ngram": (4, 3, 8)}
 SHAPE_KEYS = ("dsv4_eagle_topk", "dsv4_num_steps", "dsv4_num_draft_tokens")
-ENGINES_ATTR = "_dsv4_tree_engines"  # on the model: (spec, device, dtype) -> Engine
-
-
-def checkpoint_dir(hf) -> Path | None:
-    """The local directory the model was loaded from (config._name_or_path), if any."""
-    name = getattr(hf.config, "_name_or_path", None)
-    path = Path(name) if name else None
-    return path if path is not None and path.is_dir() else None
 
 
 def has_mtp(path: Path | None) -> bool:
@@ -75,19 +68,6 @@ def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
     if nodes is None and (topk, steps) == (dk, ds):
         nodes = dn
     return drafter, SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes)
-
-
-def engine_for(hf, spec: SpecConfig, rows: int) -> Engine:
-    """One engine per model, spec, device and dtype, kept on the model (its pools are
-    allocated once; the MTP block is read once); pools for at least `rows` requests."""
-    spec = spec.replace(max_requests=max(spec.max_requests, 1 << (rows - 1).bit_length()))
-    engines = hf.__dict__.setdefault(ENGINES_ATTR, {})
-    key = (spec, hf.lm_head.weight.device, hf.lm_head.weight.dtype)
-    if key not in engines:
-        engine = Engine(hf, spec)
-        engine.model.source = checkpoint_dir(hf)
-        engines[key] = engine
-    return engines[key]
 
 
 def generate_locals() -> dict:
@@ -123,18 +103,34 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     given = {"dsv4_drafter": dsv4_drafter, "dsv4_eagle_topk": dsv4_eagle_topk, "dsv4_num_steps": dsv4_num_steps,
              "dsv4_num_draft_tokens": dsv4_num_draft_tokens}
     drafter, spec = choose_tree(model, gc, given)
-    engine = engine_for(model, spec, len(ask.prompts))
+    engine = engine_for(model, spec, ask.prompts, ask.budget)
     log.info("dsv4_tree.custom_generate: %s drafter, eagle_topk=%d num_steps=%d num_draft_tokens=%d",
              drafter, spec.eagle_topk, spec.num_steps, spec.num_draft_tokens)
     columns = Columns(input_ids.shape[1], len(ask.prompts), ask.pad, streamer)
     hooks = _Hooks(TreeAcceptor(engine, ask.processors, ask.do_sample, input_ids.device, columns.seq_len), columns)
-    generate_batch(engine, ask.prompts, ask.budget, drafter=drafter, eos_token_id=list(ask.eos) or None,
-                   progress=False, hooks=hooks)
+    results = generate_batch(engine, ask.prompts, ask.budget, drafter=drafter, eos_token_id=list(ask.eos) or None,
+                             progress=False, hooks=hooks)
+    check_finished(results, ask.budget, engine)
     new = columns.finish().to(input_ids.device)
     sequences = torch.cat([input_ids, new], dim=1)
     if ask.return_dict:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def check_finished(results: list, budget: int, engine) -> None:
+    """Every row ended at its budget or an EOS. A row cut short for want of pool pages raises:
+    a shorter row is never returned as finished. (engine_for sizes the pools for every row at
+    once; they fall short only when other requests hold the engine's pages.)"""
+    for b, res in enumerate(results):
+        if res.stop_reason == "out_of_pages":
+            layout = engine.runtime.layout
+            raise StateError(f"custom_generate: row {b} ran out of pool pages after {len(res.tokens)} of "
+                             f"max_new_tokens={budget} new tokens: the engine's token pool holds "
+                             f"{layout.num_token_pages} pages of {layout.page_size} slots "
+                             f"(SpecConfig.max_total_tokens={engine.spec.max_total_tokens}, max_requests="
+                             f"{engine.spec.max_requests}), sized for this call's rows alone; release the other "
+                             f"requests of model.{ENGINES_ATTR}'s engines, or delete that attribute")
 
 
 class _Hooks:
