@@ -144,6 +144,26 @@ def adaptive_depth(sharded, plain, rank: int, p: list) -> dict:
             "adaptive_plain": dt.Engine(plain, SPEC).generate(p, NEW_TOKENS, drafter="mtp").tokens}
 
 
+def hf_custom_generate(sharded, plain, rank: int, p: list) -> dict:
+    """transformers' generate on the sharded model with custom_generate=dt.custom_generate.
+    Sampling: each rank draws from its own global RNG (seeded differently); rank 0's draws
+    decide. Greedy with a length processor (min_new_tokens, EOS = the 3rd token of the free
+    run): rank 1 asks for another minimum, so only rank 0's decision can keep the ranks in
+    step; both return transformers' own unsharded output for rank 0's minimum."""
+    ids = torch.tensor([p])
+    free = plain.hf.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(p):].tolist()
+    greedy = dict(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[free[2]])
+    out = {"hf_greedy_plain": plain.hf.generate(ids, min_new_tokens=6, **greedy)[0].tolist()}
+    try:
+        out["hf_sampled"] = sharded.hf.generate(ids, do_sample=True, temperature=2.0, top_k=3, max_new_tokens=NEW_TOKENS,
+                                                custom_generate=dt.custom_generate)[0].tolist()
+        out["hf_greedy"] = sharded.hf.generate(ids, min_new_tokens=6 if rank == 0 else 1, custom_generate=dt.custom_generate,
+                                               **greedy)[0].tolist()
+    except StateError as exc:  # ranks that fell out of step: recorded, the assertions name it
+        out["hf_error"] = str(exc)
+    return out
+
+
 def divergence(sharded, rank: int) -> dict:
     """Ranks handed different trees / prompts raise StateError together; state is unchanged."""
     es = dt.Engine(sharded, SPEC)
@@ -194,6 +214,7 @@ def main(out_dir: str, hf_dir: str, release_dir: str, trained_dir: str) -> None:
             res.update(generation(gen, plain[trained_dir], rank, p))
             if name == "tp":
                 res.update(adaptive_depth(gen, plain[trained_dir], rank, p))
+                res.update(hf_custom_generate(gen, plain[trained_dir], rank, p))
         else:
             res.update(generation(sharded, plain[path], rank, prompt(30, seed=3).tolist()))
         if name == "tp":

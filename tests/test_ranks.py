@@ -112,6 +112,16 @@ def test_adaptive_depth_is_rank_0s_choice(ranks):
     assert r0["adaptive_tokens"] == r1["adaptive_tokens"] == r0["adaptive_plain"]
 
 
+def test_custom_generate_acceptance_is_rank_0s(ranks):
+    """custom_generate on a sharded model: sampled rows identical on both ranks (their global
+    RNGs differ), greedy with a length processor identical too although rank 1 asked for a
+    different min_new_tokens, and equal to transformers' unsharded output for rank 0's."""
+    r0, r1 = ranks[0]["tp"], ranks[1]["tp"]
+    assert "hf_error" not in r0 and "hf_error" not in r1, (r0.get("hf_error"), r1.get("hf_error"))
+    assert r0["hf_sampled"] == r1["hf_sampled"] and 60 < len(r0["hf_sampled"]) <= 60 + 10
+    assert r0["hf_greedy"] == r1["hf_greedy"] == r0["hf_greedy_plain"]
+
+
 def test_ranks_given_different_trees_or_prompts_fail_together(ranks):
     for r, res in enumerate(ranks):
         seen = res["tp"]["divergence"]

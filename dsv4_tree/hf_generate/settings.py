@@ -150,7 +150,9 @@ def check_caller(caller: dict) -> None:
         if caller.get(name) is not None:
             raise _refuse(f"{name}", "tree speculation drafts with the model's own MTP block or n-grams")
     if caller.get("synced_gpus"):
-        raise _refuse("synced_gpus=True", "the engine runs on one device")
+        raise _refuse("synced_gpus=True", "it is for DeepSpeed ZeRO-3 / FSDP models, whose weights are gathered per "
+                      "forward; the engine runs an unsharded model or one sharded by transformers' TP / EP, whose "
+                      "ranks it keeps in step itself (dsv4_tree/ranks.py)")
 
 
 def read_request(input_ids, logits_processor, stopping_criteria, gc, model_kwargs: dict, caller: dict) -> HFRequest:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ranks import agree_acceptances
 from ..verify.accept import Acceptance, greedy_walk
-from ..verify.sampling import sample_path
+from ..verify.sampling import sample_tree
 from .settings import ROW_PROCESSORS
 
 
@@ -53,7 +54,9 @@ class TreeAcceptor:
     """hooks.accept of generate_batch: greedy or sampled acceptance against the processed target.
 
     Greedy with no processors is the engine's own accept_greedy (one argmax per node), which
-    equals transformers' argmax over the float32 logits."""
+    equals transformers' argmax over the float32 logits. On a sharded model every rank takes
+    rank 0's acceptances (ranks.agree_acceptances, as Engine.accept_greedy / accept_sampling
+    do): each rank samples with its own global generator, and only rank 0's draws decide."""
 
     def __init__(self, engine, processors: tuple, do_sample: bool, device: torch.device, seq_len):
         self.engine = engine
@@ -79,8 +82,8 @@ class TreeAcceptor:
             o, n = out.plan.offsets[b], out.plan.num_nodes[b]
             if self.do_sample:
                 # the global torch generator, as transformers' torch.multinomial draws
-                path, bonus = sample_path(tree, probs[o : o + n])
+                path, bonus = sample_tree(tree, probs[o : o + n])
             else:
                 path, bonus = greedy_walk(tree, targets[o : o + n])
             accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
-        return accs
+        return agree_acceptances(self.engine.model, trees, accs)
