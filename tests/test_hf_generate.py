@@ -79,10 +79,10 @@ def test_greedy_eos_hits_equal_model_generate(which, drafter):
 
 @pytest.mark.parametrize("which,drafter", CASES)
 def test_left_padded_batch_rows_equal_their_own_runs(which, drafter):
-    """Each row equals transformers' greedy run of its unpadded prompt; rows finishing at an
-    EOS are padded with pad_token_id; the prompts come back as given. (transformers' own
-    padded batch is not the reference: on the trained checkpoint its row with 15 pads here
-    differs from that prompt's unpadded run.)"""
+    """Under max_new_tokens each row equals transformers' greedy run of its unpadded prompt;
+    rows finishing at an EOS are padded with pad_token_id; the prompts come back as given.
+    (transformers' own padded batch is not the reference: on the trained checkpoint its row
+    with 15 pads here differs from that prompt's unpadded run.)"""
     model = hf_model(which)
     prompts = prompts_for(which)
     ids, mask = left_padded(prompts, pad=0)
@@ -98,6 +98,35 @@ def test_left_padded_batch_rows_equal_their_own_runs(which, drafter):
             assert row == want + [5] * (len(row) - len(want)), f"{which=} {drafter=} {eos=} row {b}"
         if eos is not None:
             assert len(set(map(len, wants))) > 1, "rows should finish at different lengths"
+
+
+def test_left_padded_lengths_count_the_padded_width():
+    """min_length and max_length count input_ids.shape[-1], the padded width, in transformers'
+    loop, and so here: each row equals transformers' own padded row, and its unpadded run only
+    with those limits lowered by the row's padding. With the same min_length the unpadded run
+    of the row with 32 pads is another row (it stops after 44 tokens, not 7)."""
+    model = hf_model("trained")
+    prompts = prompts_for("trained")[:2]  # 40 and 72 bytes
+    ids, mask = left_padded(prompts, pad=0)
+    width = ids.shape[1]
+    space = 32  # frequent in both rows' continuations: an EOS that min_length has to hold back
+    held = dict(min_length=width + 6, max_new_tokens=48, eos_token_id=[space])
+    for limits in (held, dict(max_length=width + 10)):
+        kw = dict(do_sample=False, pad_token_id=5, **limits)
+        got = model.generate(ids, attention_mask=mask, custom_generate=dt.custom_generate, **kw)
+        want = model.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(got, want), f"{limits=}: transformers' own padded batch"
+        for b, p in enumerate(prompts):
+            pad = width - len(p)
+            lowered = {k: v - pad if k in ("min_length", "max_length") else v for k, v in kw.items()}
+            alone = model.generate(torch.tensor([p]), **lowered)[0, len(p):].tolist()
+            row = got[b, width:].tolist()
+            assert row == alone + [5] * (len(row) - len(alone)), f"{limits=} row {b} {pad=}"
+        if limits is held:
+            short = got[0, width:].tolist()
+    short = short[: short.index(space) + 1]
+    same = model.generate(torch.tensor([prompts[0]]), do_sample=False, **held)[0, len(prompts[0]):].tolist()
+    assert len(same) > len(short) and same[: len(short)] != short, f"{short=} {same=}"
 
 
 def test_min_new_tokens_and_max_length():
