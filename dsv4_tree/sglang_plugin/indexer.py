@@ -81,7 +81,8 @@ def tree_c4_indexer(backend, meta, x, q_lora, c4_indexer, forward_batch, alt_str
     rows_total = positions.shape[0]
     if x.shape[0] != rows_total or q_lora.shape[0] != rows_total:
         raise StateError(f"dsv4_tree tree indexer: {rows_total} verify rows, got x with {x.shape[0]} and q_lora "
-                         f"with {q_lora.shape[0]} rows (tree verify runs unpadded, eager)")
+                         f"with {q_lora.shape[0]} rows (the verify metadata covers the batch as the forward runs it, "
+                         f"DP padding included)")
     if enable_multi_stream:
         q_indexer, weights = backend._forward_prepare_multi_stream(
             x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions, forward_batch=forward_batch,

@@ -69,10 +69,18 @@ def tree_core_attn_metadata(backend, tables: TreeVerifyTables, out_cache_loc: to
 
 def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next_token: torch.Tensor,
                          retrieve_next_sibling: torch.Tensor) -> TreeDSV4Metadata:
-    """The full metadata of one tree verify from SGLang's raw verify record and the tree."""
+    """The full metadata of one tree verify from SGLang's raw verify record (the batch as the
+    forward runs it: under DP attention, padded to the DP width) and the tree (the real requests'
+    rows; the padding requests get chain rows, `tables.pad_links_as_chains`)."""
     pool = backend.token_to_kv_pool
     check_no_pending_commit(pool, "a tree verify")
-    scratch = tree_scratch(pool, int(retrieve_next_token.shape[1]))
+    n = int(retrieve_next_token.shape[1])
+    bs = raw.req_pool_indices.shape[0]
+    if raw.out_cache_loc.shape != (bs * n,):
+        raise StateError(f"dsv4_tree tree verify: out_cache_loc {tuple(raw.out_cache_loc.shape)} must hold "
+                         f"bs * N = {bs} * {n} = {bs * n} slots (req_pool_indices, DP padding included; "
+                         f"N = spec_info.retrieve_next_token's width)")
+    scratch = tree_scratch(pool, n)
     tables = build_tree_verify_tables(
         req_to_token=backend.req_to_token, full_to_swa_index_mapping=pool.full_to_swa_index_mapping,
         req_pool_indices=raw.req_pool_indices, seq_lens=raw.seq_lens, retrieve_next_token=retrieve_next_token,

@@ -19,7 +19,10 @@ rows once the length is taken from the depth; what differs is *which* slots a ro
   uses. For a chain every node is first at its depth, so this is SGLang's rule exactly.
 * A row's branch entries (blocks closed on its own path during this verify, block order) are
   listed per row: they replace the page-table-derived C128 indices past the committed blocks,
-  and are the C4 indexer's branch candidates."""
+  and are the C4 indexer's branch candidates.
+
+DP attention: SGLang pads a verify batch's requests, not its tree; the padding requests get chain
+rows (`pad_links_as_chains`), the rows SGLang's own verify gives them."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import StateError
 from ..serving.swa_table import tree_swa_page_indices
 from ..serving.tables import ancestors as packed_ancestors
 
@@ -51,6 +55,26 @@ def parents_from_retrieve(retrieve_next_token: torch.Tensor, retrieve_next_sibli
     parents = parent_of_first[:, :n].gather(1, first)
     parents[:, 0] = -1
     return parents
+
+
+def pad_links_as_chains(retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor, bs: int):
+    """SGLang's links [bs_tree, N] -> [bs, N]: the tree's rows, then `bs - bs_tree` chain rows (node i's
+    child i + 1, no siblings). Under DP attention SGLang pads a verify batch to the DP width
+    (`ForwardBatch._pad_inputs_to_size`: `req_pool_indices` 0, its padding row of `req_to_token`;
+    `seq_lens` 1; `out_cache_loc` 0) but not the verify input's tree; as chains, the padding rows get
+    the rows SGLang's own (chain) verify gives them, which read and write only that padding row's
+    slots. StateError (naming the fields) when the tree has more rows than the batch."""
+    have, n = retrieve_next_token.shape
+    if retrieve_next_sibling.shape != retrieve_next_token.shape or have > bs:
+        raise StateError(f"dsv4_tree tree verify: spec_info.retrieve_next_token {tuple(retrieve_next_token.shape)} "
+                         f"and retrieve_next_sibling {tuple(retrieve_next_sibling.shape)} must have one row per "
+                         f"request, at most the batch's {bs} (req_pool_indices, DP padding included)")
+    if have == bs:
+        return retrieve_next_token, retrieve_next_sibling
+    ids = torch.arange(n, device=retrieve_next_token.device)
+    chain = torch.where(ids < n - 1, ids + 1, -1).to(retrieve_next_token.dtype).expand(bs - have, n)
+    none = torch.full((bs - have, n), -1, dtype=retrieve_next_sibling.dtype, device=retrieve_next_sibling.device)
+    return torch.cat([retrieve_next_token, chain]), torch.cat([retrieve_next_sibling, none])
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
@@ -179,10 +203,15 @@ def build_tree_verify_tables(*, req_to_token: torch.Tensor, full_to_swa_index_ma
                              swa_window: int, scratch_start: dict, scratch_per_request: int,
                              page_index_aligned_size: int = 64) -> TreeVerifyTables:
     """All tree tables of one verify from SGLang's inputs. scratch_start: {4: first C4 scratch
-    slot, 128: first C128 scratch slot} (past the pools' committed entry slots)."""
-    parents = parents_from_retrieve(retrieve_next_token, retrieve_next_sibling)
+    slot, 128: first C128 scratch slot} (past the pools' committed entry slots). Requests past the
+    tree's rows (SGLang's DP padding) are chains (`pad_links_as_chains`)."""
+    bs = req_pool_indices.shape[0]
+    if seq_lens.shape != (bs,):
+        raise StateError(f"dsv4_tree tree verify: seq_lens {tuple(seq_lens.shape)} must hold one length per "
+                         f"request of req_pool_indices ({bs})")
+    parents = parents_from_retrieve(*pad_links_as_chains(retrieve_next_token, retrieve_next_sibling, bs))
     depth = depths(parents)
-    bs, n = depth.shape
+    n = depth.shape[1]
     lens, rows = tree_verify_lengths(seq_lens, req_pool_indices, depth)
     swa = tree_swa_page_indices(req_to_token, full_to_swa_index_mapping, req_pool_indices, seq_lens, parents,
                                 swa_window, page_index_aligned_size)
