@@ -48,7 +48,7 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
     n = int(cfg.speculative_num_draft_tokens or 0)
     return TreeServeSettings(
         model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
-        topk=int(cfg.speculative_eagle_topk or 0), num_draft_tokens=n,
+        topk=int(cfg.speculative_eagle_topk or 0), num_steps=int(cfg.speculative_num_steps or 0), num_draft_tokens=n,
         dsv4_attn_backend=str(cfg.dsv4_attn_backend), disable_cuda_graph=bool(cfg.disable_cuda_graph),
         attn_cp_size=int(cfg.attn_cp_size or 1), dcp_size=int(cfg.dcp_size or 1),
         enable_prefill_cp=bool(cfg.enable_prefill_cp),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..hooks import candidate_pool_size
 
 DSV4_ARCHS = ("DeepseekV4ForCausalLM",)
 
@@ -15,6 +16,7 @@ class TreeServeSettings:
     model_arch: str
     speculative_algorithm: str | None
     topk: int
+    num_steps: int  # --speculative-num-steps (draft steps per round)
     num_draft_tokens: int
     dsv4_attn_backend: str
     disable_cuda_graph: bool
@@ -45,6 +47,10 @@ def validate_tree_settings(s: TreeServeSettings) -> None:
     if s.speculative_algorithm != "EAGLE" or s.topk <= 1:
         raise ConfigError(f"dsv4_tree tree verify needs --speculative-algorithm EAGLE with "
                           f"--speculative-eagle-topk > 1, got {s.speculative_algorithm!r} topk={s.topk}")
+    # the draft's candidates per request (SGLang's select_top_k_tokens: topk at step 0, topk^2 at
+    # every later step), of which organize_draft_results' torch.topk takes num_draft_tokens - 1;
+    # the engine's own rule (dsv4_tree.hooks.validate_spec)
+    pool = candidate_pool_size(s.topk, max(s.num_steps, 1))
     checks = (
         (s.dsv4_attn_backend == "flashmla", f"--dsv4-attn-backend must be 'flashmla', got {s.dsv4_attn_backend!r}"),
         (s.disable_cuda_graph, "--disable-cuda-graph is required (tree verify metadata is built eagerly; "
@@ -72,6 +78,12 @@ def validate_tree_settings(s: TreeServeSettings) -> None:
         (2 <= s.num_draft_tokens <= s.draft_token_capacity,
          f"--speculative-num-draft-tokens must be in [2, {s.draft_token_capacity}] (the C4 compressor state "
          f"ring holds that many verify rows per request), got {s.num_draft_tokens}"),
+        (s.num_steps >= 1, f"--speculative-num-steps must be >= 1, got {s.num_steps}"),
+        (s.num_draft_tokens - 1 <= pool,
+         f"--speculative-num-draft-tokens {s.num_draft_tokens} needs {s.num_draft_tokens - 1} draft candidates, "
+         f"more than SGLang's organize_draft_results selects from (topk + (num_steps - 1) * topk^2 = {pool} "
+         f"with --speculative-num-steps {s.num_steps}), so at most {pool + 1}: raise --speculative-num-steps "
+         f"or lower --speculative-num-draft-tokens"),
     )
     for ok, message in checks:
         if not ok:

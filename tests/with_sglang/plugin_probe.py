@@ -72,6 +72,10 @@ def main() -> None:
     out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
                                    disable_cuda_graph=True)
+    # a tree needing more candidates than topk x 1 step gives, and the largest that fits
+    for n in (3, 4):
+        out[f"v4_topk2_one_step_n{n}"] = resolve(v4, speculative_eagle_topk=2, speculative_num_steps=1,
+                                                 speculative_num_draft_tokens=n, disable_cuda_graph=True)
     # settings outside the tree path, through SGLang's resolution (each reaches the validator)
     out["v4_topk4_refused"] = {
         name: resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_cuda_graph=True, **kw)

@@ -34,10 +34,9 @@ def layout(seq_lens: list[int], n: int, gen: torch.Generator, extra_rows: int = 
     return req_to_token, mapping
 
 
-def sglang_tree(bs: int, topk: int, steps: int, n: int, seq_lens: torch.Tensor, gen: torch.Generator):
-    """An EAGLE tree as SGLang builds it: select_top_k_tokens per step on random draft
-    probabilities, organize_draft_results, sgl_build_tree_kernel_triton (QLEN_ONLY).
-    -> (positions [bs*N], retrieve_next_token [bs, N], retrieve_next_sibling [bs, N])."""
+def sglang_draft_lists(bs: int, topk: int, steps: int, gen: torch.Generator):
+    """SGLang's draft step outputs: select_top_k_tokens per step on random draft probabilities.
+    -> (score_list, token_list, parents_list), organize_draft_results' inputs."""
     hidden = torch.zeros(bs, 4)
     scores = None
     s_list, t_list, p_list = [], [], []
@@ -50,7 +49,14 @@ def sglang_tree(bs: int, topk: int, steps: int, n: int, seq_lens: torch.Tensor, 
         s_list.append(info[0]), t_list.append(info[1]), p_list.append(info[2])
         rows = bs * topk
         hidden = torch.zeros(rows, 4)
-    parent_list, top_idx, _ = organize_draft_results(s_list, t_list, p_list, n)
+    return s_list, t_list, p_list
+
+
+def sglang_tree(bs: int, topk: int, steps: int, n: int, seq_lens: torch.Tensor, gen: torch.Generator):
+    """An EAGLE tree as SGLang builds it: `sglang_draft_lists`, organize_draft_results,
+    sgl_build_tree_kernel_triton (QLEN_ONLY).
+    -> (positions [bs*N], retrieve_next_token [bs, N], retrieve_next_sibling [bs, N])."""
+    parent_list, top_idx, _ = organize_draft_results(*sglang_draft_lists(bs, topk, steps, gen), n)
     tree_mask = torch.ones(bs * n * n, dtype=torch.bool)  # QLEN_ONLY: one [N, N] block per request
     positions = torch.empty(bs * n, dtype=torch.long)
     ri, rn, rs = torch.full((3, bs, n), -1, dtype=torch.long)

@@ -59,6 +59,10 @@ def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
     assert on["v4_topk4_graphs"]["error"].startswith("ConfigError") and "--disable-cuda-graph" in on["v4_topk4_graphs"]["error"]
     many = on["v4_topk4_many"]["error"]
     assert many.startswith("ConfigError") and "--speculative-num-draft-tokens" in many and "got 16" in many
+    few = on["v4_topk2_one_step_n4"]  # SGLang's own resolution accepts it; the validator refuses it
+    assert not few["ok"] and few["error"].startswith("ConfigError"), few
+    assert "organize_draft_results" in few["error"] and "at most 3" in few["error"], few
+    assert on["v4_topk2_one_step_n3"]["ok"], on["v4_topk2_one_step_n3"]
     # read from the resolved server arguments (settings_from_server_args), refused by name
     refused = on["v4_topk4_refused"]
     assert sorted(refused) == sorted(["pp_size=2", "--enable-multi-layer-eagle", "--enable-hisparse",
@@ -78,7 +82,8 @@ def test_other_models_and_topk1_unchanged(probes):
 
 
 def settings(**kw) -> TreeServeSettings:
-    base = dict(model_arch="DeepseekV4ForCausalLM", speculative_algorithm="EAGLE", topk=4, num_draft_tokens=8,
+    base = dict(model_arch="DeepseekV4ForCausalLM", speculative_algorithm="EAGLE", topk=4, num_steps=3,
+                num_draft_tokens=8,
                 dsv4_attn_backend="flashmla", disable_cuda_graph=True, attn_cp_size=1, dcp_size=1,
                 enable_prefill_cp=False, encoder_swa_bounded_replay=False, unified_kv=False, online_compress=False,
                 ragged_verify_mode="static", draft_token_capacity=10)
@@ -104,11 +109,56 @@ def settings(**kw) -> TreeServeSettings:
     ({"hisparse": True}, "--enable-hisparse"),
     ({"hierarchical_cache": True}, "--enable-hierarchical-cache"),
     ({"disaggregation_mode": "decode"}, "disaggregation_mode='decode'"),
+    ({"num_steps": 0}, "--speculative-num-steps must be >= 1"),
+    # 3 candidates needed, SGLang's draft gives topk x 1 step = 2
+    ({"topk": 2, "num_steps": 1, "num_draft_tokens": 4}, "needs 3 draft candidates.*organize_draft_results.*= 2"),
 ])
 def test_validator_names_the_setting(change, named):
     validate_tree_settings(settings())  # the accepted configuration
     with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
         validate_tree_settings(settings(**change))
+
+
+def test_validator_accepts_exactly_the_trees_sglangs_draft_can_fill():
+    """The candidate rule is SGLang's: for every topk / steps / N the validator accepts a tree iff
+    SGLang's own select_top_k_tokens + organize_draft_results build its N - 1 candidates (the
+    engine's rule, dsv4_tree.hooks.validate_spec, says the same)."""
+    import torch
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+
+    from dsv4_tree.config import SpecConfig
+    from dsv4_tree.hooks import validate_spec
+    from sgl_cases import sglang_draft_lists
+
+    from transformers import DeepseekV4Config
+
+    model = DeepseekV4Config()
+    seen = {True: 0, False: 0}
+    for topk in (2, 3, 4):
+        for steps in (1, 2, 3):
+            lists = sglang_draft_lists(2, topk, steps, torch.Generator().manual_seed(topk * 10 + steps))
+            for n in range(2, 11):
+                try:
+                    organize_draft_results(*lists, n)
+                    sglang_ok = True
+                except RuntimeError:  # torch.topk: k larger than the candidates
+                    sglang_ok = False
+                try:
+                    validate_tree_settings(settings(topk=topk, num_steps=steps, num_draft_tokens=n))
+                    ours = True
+                except ConfigError as exc:
+                    assert "organize_draft_results" in str(exc), exc
+                    ours = False
+                try:
+                    validate_spec(model, SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=n))
+                    engine = True
+                except ConfigError as exc:
+                    if "candidate pool" not in str(exc):
+                        raise
+                    engine = False
+                assert ours == sglang_ok == engine, (topk, steps, n, ours, sglang_ok, engine)
+                seen[ours] += 1
+    assert seen[True] and seen[False], seen
 
 
 def test_other_sglang_versions_get_no_hooks(monkeypatch, caplog):
