@@ -16,7 +16,7 @@ from .model.adapter import Model, load_model
 from .executor.forward import run_rows
 from .executor.graphs import GraphCache
 from .ranks import agree_acceptances, check_same
-from .request import Request, VerifyOutput
+from .request import Request, TokenHistory, VerifyOutput, accumulated_ties
 from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
@@ -89,7 +89,7 @@ class Engine(EngineChecks):
                 for i, part, o in zip(live, parts, plan.offsets):
                     req, n = reqs[i], part.numel()
                     req.seq_len += n
-                    req.tokens = torch.cat([req.tokens, part])
+                    req.history.append(part)
                     hidden[i] = [_last_rows(torch.cat(hidden[i] + [run.hidden[o : o + n]]), keep)]
                     req._add_ties(run.topk_ties[o : o + n].sum())
         except BaseException:
@@ -117,7 +117,7 @@ class Engine(EngineChecks):
             raise InputError(f"seq_len must be an int >= 0, got {seq_len!r}")
         if not _is_int(root_token) or not 0 <= root_token < self.model.vocab_size:
             raise InputError(f"root_token must be a token id in [0, {self.model.vocab_size}), got {root_token!r}")
-        req = Request(tokens, root_token, row, seq_len, engine_id=self.engine_id)
+        req = Request(TokenHistory(tokens), root_token, row, seq_len, engine_id=self.engine_id)
         req.finalizer = weakref.finalize(req, self.runtime.release_row, row)
         self._row_owner[row] = weakref.ref(req)
         return req
@@ -229,47 +229,25 @@ class Engine(EngineChecks):
         out = out if out is not None else getattr(self, "_last", None)
         if out is None:
             raise StateError("commit needs the VerifyOutput its acceptances came from")
-        if not isinstance(out, VerifyOutput):
-            raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
-        if not isinstance(requests, (list, tuple)) or not isinstance(accs, (list, tuple)):
-            raise InputError(f"requests and accs must be lists, got {type(requests).__name__} and "
-                             f"{type(accs).__name__}")
-        if len(requests) != len(accs):
-            raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
-        self._check_own(requests)
-        if tuple(r.request_id for r in requests) != out.request_ids:
-            raise InputError("requests differ from those of the verify call that produced the acceptances")
-        if tuple(r.seq_len for r in requests) != out.seq_lens:
-            raise StateError("a request was committed since this verify ran; verify again")
-        paths, staged = [], []
-        for b, (req, acc, tree) in enumerate(zip(requests, accs, out.plan.trees)):
-            if not isinstance(acc, Acceptance) or acc.verify_id != out.verify_id or acc.request_id != req.request_id:
-                raise StateError(f"accs[{b}] does not belong to this verify output and request")
-            if req.scratch_owner != out.verify_id:
-                raise StateError(f"requests[{b}]'s draft rows no longer hold this output's (verified again since, "
-                                 "or a verify or commit failed part-way); verify again")
-            if not isinstance(acc.path, (list, tuple)) or not all(_is_int(i) for i in acc.path):
-                raise InputError(f"accs[{b}].path must be a tuple of int node ids, got {acc.path!r}")
-            if not _is_int(acc.bonus):
-                raise InputError(f"accs[{b}].bonus must be an int token id, got {acc.bonus!r}")
-            nodes = list(acc.path)
-            if not nodes or nodes[0] != 0:
-                raise InputError(f"accs[{b}].path must start at the root (node 0)")
-            # host ints: each node's parent is the node before it (a root-to-node path)
-            parents = tree.parents.tolist() if len(nodes) > 1 else [-1]
-            if not 0 <= min(nodes) <= max(nodes) < tree.num_nodes or any(parents[c] != a for a, c in zip(nodes, nodes[1:])):
-                raise InputError(f"accs[{b}].path {acc.path} is not a root-to-node path of the verified tree")
-            if not 0 <= acc.bonus < self.model.vocab_size:
-                raise InputError(f"accs[{b}].bonus: token id {acc.bonus} outside the vocabulary "
-                                 f"[0, {self.model.vocab_size})")
-            if req.seq_len + len(nodes) >= self.limits.max_positions:
-                raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
-            path = torch.tensor(nodes, dtype=torch.int64)
-            o = out.plan.offsets[b]
-            rows = (o + path).to(out.run.hidden.device, non_blocking=True)
-            paths.append(path)
-            staged.append((req, tree.tokens[path], acc.bonus, path.numel(), out.run.hidden[rows][-(self.model.window + 1):],
-                           out.run.topk_ties[rows].sum()))
+        paths = self._check_commit(requests, accs, out)  # accepted node ids per request, host ints
+        # every index the device needs (the accepted rows of the run) rides in the moves' one
+        # host-to-device copy; the gathers below are a fixed number of ops whatever the batch
+        keep, flat, tail, seg = self.model.window + 1, [], [], []
+        for b, (o, nodes) in enumerate(zip(out.plan.offsets, paths)):
+            flat += [o + a for a in nodes]
+            tail += [o + a for a in nodes[-keep:]]
+            seg += [b] * len(nodes)
+        flat_host = torch.tensor(flat, dtype=torch.int64)
+        rows, lens = [r.row for r in requests], [r.seq_len for r in requests]
+        moves = self.runtime.prepare_commit(rows, lens, paths, (flat_host, torch.tensor(tail, dtype=torch.int64),
+                                                                torch.tensor(seg, dtype=torch.int64)))
+        flat_dev, tail_dev, seg_dev = moves.carried
+        run = out.run
+        hidden = run.hidden[tail_dev].split([min(len(n), keep) for n in paths])
+        path_ties = run.topk_ties.new_zeros(len(requests)).index_add_(0, seg_dev, run.topk_ties[flat_dev])
+        ties = accumulated_ties([r.ties for r in requests], path_ties)
+        tokens = torch.cat([t.tokens for t in out.plan.trees])[flat_host].split([len(n) for n in paths])
+
         def spend() -> None:
             # the moves overwrite draft slots (a move's destination can be another's source): from
             # the first copy on, a failure must leave `out` refused, as a retry would read
@@ -279,13 +257,13 @@ class Engine(EngineChecks):
             if self._last is out:
                 self._last = None
 
-        self.runtime.commit([r.row for r in requests], [r.seq_len for r in requests], paths, spend)
-        for req, toks, bonus, n, hidden, ties in staged:
-            req._add_ties(ties)
-            req.seq_len += n
-            req.tokens = torch.cat([req.tokens, toks])
-            req.root_token = int(bonus)
-            req.new_hidden = hidden
+        self.runtime.apply_commit(moves, rows, [p + len(n) for p, n in zip(lens, paths)], spend)
+        for req, acc, toks, h, t in zip(requests, accs, tokens, hidden, ties):
+            req.ties = t
+            req.seq_len += toks.numel()
+            req.history.append(toks)
+            req.root_token = int(acc.bonus)
+            req.new_hidden = h
             req.scratch_owner = 0
 
     def release(self, req: Request) -> None:

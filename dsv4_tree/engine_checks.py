@@ -8,6 +8,7 @@ import torch
 
 from .errors import InputError, StateError
 from .request import Request, VerifyOutput, check_live
+from .verify.accept import Acceptance
 from .tree.draft_tree import DraftTree, depth_by_pointer_jumping
 
 
@@ -151,3 +152,44 @@ class EngineChecks:
                 torch.equal(tree.tokens, planned.tokens) and torch.equal(tree.parents, planned.parents)
             ):
                 raise InputError(f"trees[{b}] is not the tree verified for requests[{b}]")
+
+    def _check_commit(self, requests, accs, out: VerifyOutput) -> list:
+        """Every check of Engine.commit (nothing written yet) -> each request's accepted node ids
+        (host ints, root first)."""
+        if not isinstance(out, VerifyOutput):
+            raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
+        if not isinstance(requests, (list, tuple)) or not isinstance(accs, (list, tuple)):
+            raise InputError(f"requests and accs must be lists, got {type(requests).__name__} and "
+                             f"{type(accs).__name__}")
+        if len(requests) != len(accs):
+            raise InputError(f"{len(requests)} requests but {len(accs)} acceptances")
+        self._check_own(requests)
+        if tuple(r.request_id for r in requests) != out.request_ids:
+            raise InputError("requests differ from those of the verify call that produced the acceptances")
+        if tuple(r.seq_len for r in requests) != out.seq_lens:
+            raise StateError("a request was committed since this verify ran; verify again")
+        paths = []
+        for b, (req, acc, tree) in enumerate(zip(requests, accs, out.plan.trees)):
+            if not isinstance(acc, Acceptance) or acc.verify_id != out.verify_id or acc.request_id != req.request_id:
+                raise StateError(f"accs[{b}] does not belong to this verify output and request")
+            if req.scratch_owner != out.verify_id:
+                raise StateError(f"requests[{b}]'s draft rows no longer hold this output's (verified again since, "
+                                 "or a verify or commit failed part-way); verify again")
+            if not isinstance(acc.path, (list, tuple)) or not all(_is_int(i) for i in acc.path):
+                raise InputError(f"accs[{b}].path must be a tuple of int node ids, got {acc.path!r}")
+            if not _is_int(acc.bonus):
+                raise InputError(f"accs[{b}].bonus must be an int token id, got {acc.bonus!r}")
+            nodes = list(acc.path)
+            if not nodes or nodes[0] != 0:
+                raise InputError(f"accs[{b}].path must start at the root (node 0)")
+            # host ints: each node's parent is the node before it (a root-to-node path)
+            parents = tree.parents.tolist() if len(nodes) > 1 else [-1]
+            if not 0 <= min(nodes) <= max(nodes) < tree.num_nodes or any(parents[c] != a for a, c in zip(nodes, nodes[1:])):
+                raise InputError(f"accs[{b}].path {acc.path} is not a root-to-node path of the verified tree")
+            if not 0 <= acc.bonus < self.model.vocab_size:
+                raise InputError(f"accs[{b}].bonus: token id {acc.bonus} outside the vocabulary "
+                                 f"[0, {self.model.vocab_size})")
+            if req.seq_len + len(nodes) >= self.limits.max_positions:
+                raise InputError(f"accs[{b}] would reach max_position_embeddings={self.limits.max_positions}")
+            paths.append(nodes)
+        return paths

@@ -13,6 +13,52 @@ from .serving.tables import VerifyPlan
 _ids = itertools.count()
 
 
+class TokenHistory:
+    """A request's committed token ids in a buffer whose capacity doubles when it fills:
+    appending k ids costs O(k) amortised (each reallocation copies the used part once, and
+    there are O(log P) of them), where re-concatenating the whole history per commit costs O(P)."""
+
+    MIN_CAPACITY = 64
+
+    def __init__(self, tokens: torch.Tensor):
+        self._buf = tokens.detach().to("cpu", torch.int64).clone()  # [capacity] int64, the first _len used
+        self._len = self._buf.numel()
+        self.reallocations = 0  # times the buffer grew (a copy of the used part each)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"TokenHistory(len={self._len}, capacity={self._buf.numel()})"
+
+    def view(self) -> torch.Tensor:
+        """[len] the committed ids: a view of the buffer. Later appends never change it (they
+        write past its end, or into a new buffer)."""
+        return self._buf[: self._len]
+
+    def append(self, ids: torch.Tensor) -> None:
+        """Add ids (host int64, [k]) at the end; the view grows only once they are written."""
+        need = self._len + ids.numel()
+        if need > self._buf.numel():
+            grown = torch.empty(max(need, 2 * self._buf.numel(), self.MIN_CAPACITY), dtype=torch.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+            self.reallocations += 1
+        self._buf[self._len : need] = ids
+        self._len = need
+
+
+def accumulated_ties(counts, added: torch.Tensor) -> tuple:
+    """Each request's tie count after a commit: counts[b] (a 0-d tensor, or None for none yet)
+    plus added[b] ([B], on the device), in a fixed number of ops whatever B."""
+    if all(c is None for c in counts):
+        return added.unbind()
+    if any(c is None for c in counts):
+        zero = added.new_zeros(())
+        counts = [zero if c is None else c for c in counts]
+    return (torch.stack(list(counts)) + added).unbind()
+
+
 def check_live(requests) -> None:
     """StateError for a released request."""
     for req in requests:
@@ -26,7 +72,7 @@ class Request:
     is the pending token at position P; row: its row in the engine's page tables. Only
     Engine.prefill / commit / release change it."""
 
-    tokens: torch.Tensor  # [P] committed token ids
+    history: TokenHistory  # the P committed token ids (read them as `tokens`)
     root_token: int
     row: int
     seq_len: int = 0
@@ -42,6 +88,12 @@ class Request:
     released: bool = False  # set by Engine.release; a released request cannot be used again
     scratch_owner: int = field(default=0, repr=False)  # verify whose rows sit in this request's draft slots
     finalizer: object = field(default=None, repr=False, compare=False)  # returns the slots if never released
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[P] committed token ids (int64, host): a view of the request's history buffer, which
+        later commits leave unchanged; clone it to edit."""
+        return self.history.view()
 
     @property
     def committed_topk_ties(self) -> int:

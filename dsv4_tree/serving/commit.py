@@ -23,18 +23,30 @@ class SlotMoves:
     recent_dst: torch.Tensor  # [M]
     entry_src: dict  # ratio -> [K] scratch entry slots
     entry_dst: dict  # ratio -> [K] committed entry slots
+    # int64 index tensors the caller needs on the device with the moves (the engine's rows of
+    # the accepted nodes); they travel in the same copy
+    carried: tuple = ()
 
     def to(self, device) -> "SlotMoves":
-        """All moves on `device` through one host-to-device copy of one packed buffer."""
+        """All moves (and the carried tensors) on `device` through one host-to-device copy of
+        one packed buffer."""
         ratios = sorted(self.entry_src)
         parts = [self.recent_src, self.recent_dst] + [x for m in ratios for x in (self.entry_src[m], self.entry_dst[m])]
+        parts += list(self.carried)
         flat = torch.cat(parts).to(device, non_blocking=True).split([p.numel() for p in parts])
+        k = 2 + 2 * len(ratios)
         return SlotMoves(flat[0], flat[1], {m: flat[2 + 2 * i] for i, m in enumerate(ratios)},
-                         {m: flat[3 + 2 * i] for i, m in enumerate(ratios)})
+                         {m: flat[3 + 2 * i] for i, m in enumerate(ratios)}, tuple(flat[k:]))
 
 
-def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotMoves:
-    """rows / seq_lens / paths per request (path: accepted node ids root first, a tensor).
+def _nodes(path) -> list:
+    """A path's node ids as host ints (a tensor or a sequence of ints)."""
+    return path.tolist() if isinstance(path, torch.Tensor) else list(path)
+
+
+def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths, carry=()) -> SlotMoves:
+    """rows / seq_lens / paths per request (path: accepted node ids root first, a tensor or a
+    sequence of ints); carry: int64 host tensors to bring to the device with the moves.
 
     Which rows move and which blocks close is host arithmetic on a few ints per request; the
     slot lookups then run once for the whole batch (none when nothing moves or closes, as in
@@ -42,7 +54,7 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotM
     mv_rows, mv_src, mv_dst = [], [], []
     closed = {m: ([], [], []) for m in layout.ratios}  # request row, node, first position of the block
     for row, p, path in zip(rows, seq_lens, paths):
-        for d, node in enumerate(path.tolist()):
+        for d, node in enumerate(_nodes(path)):
             if node != d:
                 mv_rows.append(row)
                 mv_src.append(p + node)
@@ -62,7 +74,7 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths) -> SlotM
     for m, (c_rows, c_nodes, c_first) in closed.items():
         ent_src[m] = layout.scratch_slot(m, ints(c_rows), ints(c_nodes)) if c_rows else empty
         ent_dst[m] = layout.entry_slot(m, pages.token_slots(ints(c_rows), ints(c_first))) if c_rows else empty
-    return SlotMoves(recent(mv_rows, mv_src), recent(mv_rows, mv_dst), ent_src, ent_dst)
+    return SlotMoves(recent(mv_rows, mv_src), recent(mv_rows, mv_dst), ent_src, ent_dst, tuple(carry))
 
 
 @torch.inference_mode()

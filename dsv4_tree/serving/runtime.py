@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import step_shapes
-from .commit import apply_moves, plan_moves
+from .commit import SlotMoves, apply_moves, plan_moves
 from .pages import PageTable
 from .pools import Layout, build_pools
 from .state_view import committed_view
@@ -74,16 +74,26 @@ class ServingRuntime:
         """Device half: the one copy, then every table (no host reads; graph-capturable)."""
         return build_step(step, self.device_pages, self.layout, self.model.device)
 
-    @torch.inference_mode()
     def commit(self, rows, seq_lens, paths, before_write=None) -> None:
         """Move accepted rows and entries into their committed slots, then free what no row can
         read any more: pages past the new length, recent pages before new length - R.
         before_write: see apply_moves."""
-        moves = plan_moves(self.pages, self.layout, rows, seq_lens, paths)
-        apply_moves(self.pools, moves.to(self.model.device), before_write)
-        new = [p + path.numel() for p, path in zip(seq_lens, paths)]
-        self.pages.shrink(rows, new)
-        self.pages.evict(rows, [n - self.layout.recent_window for n in new])
+        moves = self.prepare_commit(rows, seq_lens, paths)
+        self.apply_commit(moves, rows, [p + len(path) for p, path in zip(seq_lens, paths)], before_write)
+
+    @torch.inference_mode()
+    def prepare_commit(self, rows, seq_lens, paths, carry=()) -> SlotMoves:
+        """A commit's slot moves (host arithmetic), with the carried int64 host tensors, on the
+        device through one host-to-device copy. Writes nothing."""
+        return plan_moves(self.pages, self.layout, rows, seq_lens, paths, carry).to(self.model.device)
+
+    @torch.inference_mode()
+    def apply_commit(self, moves: SlotMoves, rows, new_lengths, before_write=None) -> None:
+        """Apply prepared moves, then free pages past new_lengths and recent pages before
+        new_lengths - R."""
+        apply_moves(self.pools, moves, before_write)
+        self.pages.shrink(rows, new_lengths)
+        self.pages.evict(rows, [n - self.layout.recent_window for n in new_lengths])
 
     def committed_view(self, row: int, seq_len: int) -> list:
         return committed_view(self.pools, self.pages, self.layout, row, seq_len, self.model.gate_biases())
