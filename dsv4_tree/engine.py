@@ -103,7 +103,9 @@ class Engine(EngineChecks):
     def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
         """A Request owning page-table row `row` (slots return to the pools when it is released
         or garbage-collected). `row` must come from `engine.runtime.admit()` and not be held by
-        another live request."""
+        another live request. seq_len > 0 adopts committed state already in the pools: `tokens`
+        holds its seq_len ids, and the row's pages must map every position < seq_len (with recent
+        pages for the last recent_window), written by the caller (serving/synth.py)."""
         pages = self.runtime.pages
         if not _is_int(row) or not 0 <= row < pages.max_requests:
             raise InputError(f"row must be an int in [0, {pages.max_requests}) (SpecConfig.max_requests), got {row!r}")
@@ -113,8 +115,7 @@ class Engine(EngineChecks):
         owner = owner() if owner is not None else None
         if owner is not None and not owner.released:
             raise StateError(f"row {row} is held by live request {owner.request_id}; release it first")
-        if not _is_int(seq_len) or seq_len < 0:
-            raise InputError(f"seq_len must be an int >= 0, got {seq_len!r}")
+        self._check_adopted(tokens, row, seq_len)
         if not _is_int(root_token) or not 0 <= root_token < self.model.vocab_size:
             raise InputError(f"root_token must be a token id in [0, {self.model.vocab_size}), got {root_token!r}")
         req = Request(TokenHistory(tokens), root_token, row, seq_len, engine_id=self.engine_id)

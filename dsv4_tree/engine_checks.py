@@ -49,6 +49,26 @@ class EngineChecks:
                 raise StateError(f"requests[{b}] (request {req.request_id}) belongs to another Engine: its row and "
                                  "committed state live in that engine's pools; use that engine")
 
+    def _check_adopted(self, tokens, row: int, seq_len) -> None:
+        """Engine.adopt's committed part: seq_len ids in `tokens`, and pages behind them."""
+        limit = self.limits.max_positions
+        if not _is_int(seq_len) or not 0 <= seq_len < limit:
+            raise InputError(f"seq_len must be an int in [0, {limit}) (max_position_embeddings={limit}), got {seq_len!r}")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point() \
+                or tokens.is_complex() or tokens.dtype == torch.bool:
+            what = f"shape {tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise InputError(f"tokens must be a 1-D tensor of integer token ids, got {what}")
+        if tokens.numel() != seq_len:
+            raise InputError(f"tokens holds {tokens.numel()} ids but seq_len={seq_len}: one id per committed position")
+        self._check_ids(tokens, "tokens")
+        rt = self.runtime
+        if not rt.pages.backs(row, seq_len, seq_len - rt.layout.recent_window):
+            raise StateError(
+                f"seq_len={seq_len}: row {row} has no committed state behind it: seq_len committed positions need "
+                f"token pages for positions < {seq_len} (the row maps {rt.pages.mapped[row] * rt.pages.page_size} "
+                f"slots) and recent pages from position {max(0, seq_len - rt.layout.recent_window)} on; map and "
+                "write them first (runtime.pages.ensure, as serving/synth.py does), or adopt with seq_len=0 and prefill")
+
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         v = self.model.vocab_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):

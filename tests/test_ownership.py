@@ -119,6 +119,42 @@ def test_adopt_checks_its_row():
     assert mine.row == row and mine.engine_id == eng.engine_id
 
 
+def test_adopt_refuses_committed_positions_it_cannot_back():
+    eng = engine_for(small_model(), topk=1, steps=3, nodes=4, max_requests=2, page_size=16)
+    rt, ids = eng.runtime, prompt(40, 5)
+    gone = eng.prefill(prompt(50, 4))
+    eng.release(gone)  # its rows stay in the pools' bytes: pages mapped now would hold them
+    row = rt.admit()
+    assert row == gone.row
+    before = (rt.live_slots(), rt.pages.free_rows, rt.pages.mapped[row])
+    with pytest.raises(dt.StateError, match=rf"seq_len=40: row {row} has no committed state behind it"):
+        eng.adopt(ids, 5, row, 40)
+    cases = [(ids[:39], 40, "tokens holds 39 ids but seq_len=40"), (ids, 0, "tokens holds 40 ids but seq_len=0"),
+             (ids.float(), 40, "tokens must be a 1-D tensor of integer token ids"),
+             (ids.view(2, 20), 40, "tokens must be a 1-D tensor"), (ids.tolist(), 40, "tokens must be a 1-D tensor"),
+             (torch.full((40,), 10**6), 40, r"tokens: token id 1000000 outside the vocabulary"),
+             (ids, -1, r"seq_len must be an int in \[0, 512\)"), (ids, 512, "max_position_embeddings=512"),
+             (ids, 40.0, "seq_len must be an int")]
+    for tokens, seq_len, msg in cases:
+        with pytest.raises(dt.InputError, match=msg):
+            eng.adopt(tokens, 5, row, seq_len)
+    # token pages for every position but no recent page for the first of the last R: refused too
+    r = rt.layout.recent_window
+    assert r == 16, r  # positions 24..39 need recent pages: pages 1 and 2 of 16 slots
+    rt.pages.ensure([row], [40], [40])  # gives a recent page to page 2 only
+    with pytest.raises(dt.StateError, match=rf"recent pages from position {40 - r} on"):
+        eng.adopt(ids, 5, row, 40)
+    assert eng._row_owner[row]() is gone and rt.pages.free_rows == before[1]  # no request was made
+    rt.pages.shrink([row], [0])
+    assert (rt.live_slots(), rt.pages.free_rows, rt.pages.mapped[row]) == before  # nothing was taken
+    # the caller maps (and would write) the pages: the same adopt is taken
+    rt.pages.ensure([row], [40], [40 - r])
+    req = eng.adopt(ids, 5, row, 40)
+    assert req.seq_len == 40 and torch.equal(req.tokens, ids) and req.row == row
+    eng.release(req)
+    assert rt.live_slots() == before[0]
+
+
 def test_prefill_hidden_rows():
     eng = engine_for(small_model(), topk=1, steps=3, nodes=4)
     p = prompt(12, 2)

@@ -87,6 +87,16 @@ class PageTable:
                 self.evicted[r] = with_recent[0] if with_recent else new.stop
             self.mapped[r] = new.stop
 
+    def backs(self, row: int, length: int, recent_from: int) -> bool:
+        """Row maps a token page for every position < length, and a recent page for every one
+        of those at or past recent_from: what a request with `length` committed positions reads."""
+        ps = self.page_size
+        pages = -(-length // ps)
+        if self.mapped[row] < pages:
+            return False
+        first = max(0, recent_from) // ps
+        return first >= pages or bool((self.full_to_recent[self.req_to_page[row, first:pages]] >= 0).all())
+
     def take_updates(self) -> tuple:
         """The mappings made since the last call, as four int lists: page-table cells
         (row * pages_per_request + page index) and their token pages, token pages and their

@@ -12,8 +12,12 @@ def synthetic_request(engine, seq_len: int, seed: int = 0, root_token: int = 5):
     rt, model = engine.runtime, engine.model
     g = torch.Generator().manual_seed(seed)
     row = rt.admit()
-    req = engine.adopt(torch.randint(2, model.vocab_size, (seq_len,), generator=g), root_token, row, seq_len)
-    rt.pages.ensure([row], [seq_len], [seq_len - rt.layout.recent_window])
+    try:  # the pages first: adopt takes committed positions only with pages behind them
+        rt.pages.ensure([row], [seq_len], [seq_len - rt.layout.recent_window])
+        req = engine.adopt(torch.randint(2, model.vocab_size, (seq_len,), generator=g), root_token, row, seq_len)
+    except BaseException:
+        rt.release_row(row)
+        raise
     pos = torch.arange(max(0, seq_len - rt.layout.recent_window), seq_len)
     rows = torch.full_like(pos, row)
     recent = rt.pages.recent_slots(rt.pages.token_slots(rows, pos)).to(model.device)
