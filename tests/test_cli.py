@@ -151,8 +151,13 @@ def dt_spec(path):
 
 
 def test_bad_config_is_a_clean_error(capsys):
+    """dsv4_tree errors raised while the engine is set up exit 2 with their message, no traceback."""
     assert main(["demo", "--topk", "2", "--num-steps", "2", "--num-draft-tokens", "50"]) == 2
     assert "ConfigError" in capsys.readouterr().err
+    for command in ("demo", "generate"):  # eagle_topk above the shipped checkpoint's 260-token vocabulary
+        assert main([command, "--topk", "300", "--num-steps", "2", "--num-draft-tokens", "8", "--drafter", "mtp"]) == 2
+        err = capsys.readouterr().err
+        assert "ConfigError: SpecConfig.eagle_topk=300 exceeds" in err and "Traceback" not in err, err
 
 
 def test_help_explains_flags():
