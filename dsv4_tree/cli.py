@@ -255,14 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--corrupt", type=real_in(0.0, 1.0), default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
     d.add_argument("--tensors-out", default=None,
-                   help="save each round's SGLang-compatible tree tensors (mask in --mask-mode layout) to this .pt file")
+                   help="save each round's SGLang-compatible tree tensors (mask in --mask-mode layout) to this .pt "
+                        "file, in an existing directory")
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="speculative greedy or sampled generation with a drafter")
     _spec_args(g, mask_mode=False)
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
                         "planted: synthetic test drafter")
-    g.add_argument("--prompt", type=token_ids, default=None, help="comma-separated token ids (default: a seeded repetitive prompt)")
+    g.add_argument("--prompt", type=token_ids, default=None,
+                   help="comma-separated token ids (default: a seeded prompt; not with --prompt-text)")
     g.add_argument("--prompt-len", type=int_at_least(2), default=64, help="length of the default prompt")
     g.add_argument("--prompt-text", type=prompt_text, default=None, help="prompt text (byte-level checkpoints)")
     g.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="token budget")

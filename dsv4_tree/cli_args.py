@@ -90,6 +90,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What no single flag's type can check: combinations, and paths that must exist."""
     if getattr(args, "mask_mode", None) is not None and not args.tensors_out:
         ap.error("--mask-mode sets the layout of the tensors --tensors-out saves: give --tensors-out FILE.pt too")
+    if getattr(args, "prompt", None) is not None and args.prompt_text is not None:
+        ap.error("--prompt and --prompt-text each give the prompt: give one")
     if getattr(args, "tensors_out", None):
         _check_output_file(ap, "--tensors-out", args.tensors_out)
     if getattr(args, "ep_implementation", None) is not None and args.ep is None:

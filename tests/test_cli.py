@@ -99,6 +99,7 @@ def no_work(monkeypatch):
     (["generate", "--prompt-text", ""], "--prompt-text", "at least one character"),
     (["generate", "--prompt", ""], "--prompt", "comma-separated integer token ids"),
     (["generate", "--prompt=-1,2"], "--prompt", "must be >= 0"),
+    (["generate", "--prompt", "1,2", "--prompt-text", "ab"], "--prompt-text", "give one"),
 ])
 def test_bad_values_are_refused_before_any_work(argv, flag, why, no_work, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
