@@ -7,8 +7,10 @@ Steps, in priority order (a step that would start after --budget-s is spent is m
   bench_batch        benchmarks/bench_batch.py, bf16
   cuda_graph         bench_batch eager vs --cuda-graph-max-bs 64 (where SpecConfig has the field)
   bench_verify_256K, bench_verify_1M
---dry-run runs the same steps on CPU, fp32, at tiny shapes (one bench_verify context, 4K), and
-without DSV4_TREE_GPU, so the gpu-marked tests are collected and skipped."""
+--dry-run runs the same steps on CPU, fp32, at tiny shapes (one bench_verify context, 4K), the
+Triton step under TRITON_INTERPRET=1, and the test step without DSV4_TREE_GPU and on the
+gpu-marked tests alone, which are collected and skipped (the `device` tests it adds on a GPU
+are, on the CPU, the main suite's own)."""
 from __future__ import annotations
 
 import argparse
@@ -100,10 +102,12 @@ def has_graph_field(py: str) -> bool:
 def plan_steps(args, out: Path) -> list:
     py, dry = args.python, args.dry_run
     dev = ["--device", "cpu", "--dtype", "float32"] if dry else ["--device", "cuda", "--dtype", "bfloat16"]
-    # the gpu-marked tests and every test on the `device` fixture (kernels, precision, device flow)
-    tests = Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu or on_device", "-q", "-rs", "-p", "no:cacheprovider",
-                               str(ROOT / "tests")], args.limit_tests, {} if dry else {"DSV4_TREE_GPU": "1"},
-                 cwd=str(out))
+    # the gpu-marked tests and every test on the `device` fixture (kernels, precision, device flow);
+    # the dry run selects the gpu-marked ones alone (collected, skipped): on the CPU the `device`
+    # tests are the main suite's own (107 s of CPU time, 4 whole-model runs in the Triton interpreter)
+    tests = Step("gpu_tests", [py, "-m", "pytest", "-m", "gpu" if dry else "gpu or on_device", "-q", "-rs", "-p",
+                               "no:cacheprovider", str(ROOT / "tests")], args.limit_tests,
+                 {} if dry else {"DSV4_TREE_GPU": "1"}, cwd=str(out))
     fp8 = ["--kv-cache-dtype", "fp8_e4m3"] if verify_supports("--kv-cache-dtype", py) else []
     contexts = [("4K", 4096)] if dry else [("64K", 65536), ("256K", 262144), ("1M", 1 << 20)]
     size = ["--quick", "--nodes", "4", "--reps", "1"] if dry else ["--nodes", "8,16", "--reps", "3"]
@@ -115,8 +119,10 @@ def plan_steps(args, out: Path) -> list:
     # the dry run uses tiny shapes, the interpreter being too slow for Flash-shaped layers
     triton_size = ["--quick", "--shapes", "tiny", "--nodes", "4", "--reps", "1", "--contexts", "1024"] if dry else \
         ["--nodes", "8,16", "--reps", "3", "--contexts", "65536"]
+    # (on CPU Triton runs only through its interpreter, chosen before triton is imported)
     kernels = Step("bench_verify_triton", [py, "benchmarks/bench_verify.py", *dev, *fp8, "--backend", "triton",
-                                               *triton_size, "--plot", ""], args.limit_verify)
+                                           *triton_size, "--plot", ""], args.limit_verify,
+                   {"TRITON_INTERPRET": "1"} if dry else {})
     tiny = ["--bs", "1,2", "--nodes", "4", "--flash-bs", "1", "--reps", "1", "--context", "1024"] if dry else []
     batch = Step("bench_batch", [py, "benchmarks/bench_batch.py", *dev, *tiny, "--plot", str(out / "bench_batch.png")],
                  args.limit_batch)

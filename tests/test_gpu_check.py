@@ -1,11 +1,13 @@
 """scripts/gpu_check --dry-run: the whole GPU check, end to end on CPU at tiny shapes.
 
-Covers every step the GPU run has, through the same wrapper and the same report writer: the
-gpu-marked tests (collected, skipped without CUDA) with the device-fixture tests (run on CPU),
-bench_verify (one 4K context instead of
-64K/256K/1M, fp32), bench_batch (bs 1 and 2, N = 4, both models), and the CUDA-graph step
-(run where SpecConfig has cuda_graph_max_bs, otherwise reported as not available). What it
-cannot cover: anything that needs CUDA (bf16 kernels, graph capture, GPU timings)."""
+Covers every step the GPU run has, through the same wrapper and the same report writer, started
+as from a shell (no TRITON_INTERPRET, no DSV4_TREE_GPU): the gpu-marked tests (collected,
+skipped without CUDA; the device-fixture tests the GPU run adds are this suite's own on the
+CPU), bench_verify (one 4K context instead of 64K/256K/1M, fp32), the Triton bench_verify
+(tiny shapes, through the interpreter), bench_batch (bs 1 and 2, N = 4, both models), and the
+CUDA-graph step (run where SpecConfig has cuda_graph_max_bs, otherwise reported as not
+available). What it cannot cover: anything that needs CUDA (bf16 kernels, graph capture, GPU
+timings)."""
 import json
 import os
 import subprocess
@@ -17,9 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_dry_run_writes_the_report(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "DSV4_TREE_GPU"}
-    proc = subprocess.run(["bash", "scripts/gpu_check", "--out", str(tmp_path), "--dry-run", "--budget-s", "600"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # as from a shell: not the TRITON_INTERPRET=1 this suite's conftest sets for itself
+    env = {k: v for k, v in os.environ.items() if k not in ("DSV4_TREE_GPU", "TRITON_INTERPRET")}
+    # the step limits bound a GPU run; here they only stop a hung step (a loaded CPU is slow, not wrong)
+    limits = ["--budget-s", "1200", "--limit-tests", "600", "--limit-verify", "600", "--limit-batch", "600",
+              "--limit-graph", "600"]
+    proc = subprocess.run(["bash", "scripts/gpu_check", "--out", str(tmp_path), "--dry-run", *limits],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     report = json.loads((tmp_path / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
     bad = {n: (s["status"], s["summary"], s["tail"]) for n, s in steps.items() if s["status"] not in ("ok", "not available")}
@@ -29,6 +35,7 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
                            "cuda_graph_replay"]
     assert steps["bench_verify_triton"]["result"]["backend"] == "triton"
     assert "skipped" in steps["gpu_tests"]["summary"], steps["gpu_tests"]  # no CUDA here: collected, skipped
+    assert steps["bench_verify_triton"]["env"] == {"TRITON_INTERPRET": "1"}  # set by the dry run itself
     verify = steps["bench_verify_4K"]["result"]
     assert [(r["context"], r["N"]) for r in verify["records"]] == [(4096, 4)]
     batch = steps["bench_batch"]["result"]
