@@ -22,7 +22,7 @@ from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
 from .tree.draft_tree import DraftTree
 from .verify.accept import Acceptance, greedy_walk
-from .verify.sampling import sample_path, target_probs
+from .verify.sampling import sample_tree, target_probs
 
 __all__ = ["Engine", "Request", "VerifyOutput"]
 
@@ -49,11 +49,21 @@ class Engine(EngineChecks):
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
         self.named_drafters: dict = {}  # drafter name -> drafter built for this engine (drafters/registry.py)
         self._drafters = weakref.WeakSet()  # drafters told about Engine.release
+        self.feature_layers: tuple = ()  # target layers whose input streams committed rows keep (register_drafter)
 
     # ---------------------------------------------------------------- request lifecycle
     def register_drafter(self, drafter) -> None:
-        """Engine.release(req) will call drafter.release(req)."""
+        """Engine.release(req) will call drafter.release(req). A drafter naming `feature_layers`
+        (DSpark) makes prefill and commit keep those target layers' input streams for the rows
+        they add (Request.new_features); register it before prefill."""
         self._drafters.add(drafter)
+        layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+        if layers and layers != self.feature_layers:
+            if self.feature_layers:
+                raise ConfigError(f"this engine keeps the features of target layers {list(self.feature_layers)}; a "
+                                  f"drafter reading layers {list(layers)} needs an engine of its own")
+            self.feature_layers = layers
+            self._graphs = None  # captured steps were recorded without the features
 
     # ---------------------------------------------------------------- steps
     def prefill(self, prompt_ids, hidden_rows: int | None = None) -> Request:
@@ -77,20 +87,22 @@ class Engine(EngineChecks):
         try:
             for x in ids:
                 reqs.append(self.adopt(x[:0].clone(), int(x[-1]), rt.admit()))
-            hidden = [[] for _ in reqs]
+            hidden, feats = [[] for _ in reqs], [[] for _ in reqs]
             for start in range(0, max(x.numel() for x in ids) - 1, chunk):
                 live = [i for i, x in enumerate(ids) if x.numel() - 1 > start]
                 parts = [ids[i][start : min(start + chunk, ids[i].numel() - 1)] for i in live]
                 rows, lens = [reqs[i].row for i in live], [reqs[i].seq_len for i in live]
                 plan = rt.plan(rows, lens, [DraftTree.chain(p) for p in parts])
                 last = torch.tensor([o + n - 1 for o, n in zip(plan.offsets, plan.num_nodes)], device=dev)
-                run = run_rows(self.model, plan.to(dev), rt.pools, self.ops, last)
+                run = run_rows(self.model, plan.to(dev), rt.pools, self.ops, last, self.feature_layers)
                 rt.commit(rows, lens, [torch.arange(p.numel()) for p in parts])
                 for i, part, o in zip(live, parts, plan.offsets):
                     req, n = reqs[i], part.numel()
                     req.seq_len += n
                     req.history.append(part)
                     hidden[i] = [_last_rows(torch.cat(hidden[i] + [run.hidden[o : o + n]]), keep)]
+                    if self.feature_layers:
+                        feats[i] = [_last_rows(torch.cat(feats[i] + [run.features[o : o + n]]), self.model.window)]
                     req._add_ties(run.topk_ties[o : o + n].sum())
         except BaseException:
             for req in reqs:
@@ -98,6 +110,8 @@ class Engine(EngineChecks):
             raise
         for req, h in zip(reqs, hidden):
             req.new_hidden = h[0] if h else None
+        for req, f in zip(reqs, feats):
+            req.new_features = f[0] if f else None
         return reqs
 
     def adopt(self, tokens: torch.Tensor, root_token: int, row: int, seq_len: int = 0) -> Request:
@@ -158,9 +172,10 @@ class Engine(EngineChecks):
         """The verify forward -> (RowsRun, the plan with its tables); a graphed plan (bucketed,
         on CUDA) replays its bucket's captured build + forward."""
         if plan.staged is None:
-            return run_rows(self.model, plan.to(self.model.device), self.runtime.pools, self.ops), plan
+            return run_rows(self.model, plan.to(self.model.device), self.runtime.pools, self.ops,
+                            feature_layers=self.feature_layers), plan
         if self._graphs is None:
-            self._graphs = GraphCache(self.model, self.runtime, self.ops)
+            self._graphs = GraphCache(self.model, self.runtime, self.ops, feature_layers=self.feature_layers)
         run, tables = self._graphs.run(plan.staged, plan.bucket)
         return run, replace(plan, **tables, staged=None)
 
@@ -191,7 +206,7 @@ class Engine(EngineChecks):
         accs = []
         for b, (req, tree) in enumerate(zip(requests, trees)):
             probs = target_probs(out.logits[b].cpu(), temperature, top_p)
-            path, bonus = sample_path(tree, probs, generator)
+            path, bonus = sample_tree(tree, probs, generator)
             accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
         accs = agree_acceptances(self.model, trees, accs)  # sharded model: rank 0's draws decide
         self._last = out
@@ -244,7 +259,9 @@ class Engine(EngineChecks):
                                                                 torch.tensor(seg, dtype=torch.int64)))
         flat_dev, tail_dev, seg_dev = moves.carried
         run = out.run
-        hidden = run.hidden[tail_dev].split([min(len(n), keep) for n in paths])
+        sizes = [min(len(n), keep) for n in paths]
+        hidden = run.hidden[tail_dev].split(sizes)
+        feats = [None] * len(paths) if run.features is None else run.features[tail_dev].split(sizes)
         path_ties = run.topk_ties.new_zeros(len(requests)).index_add_(0, seg_dev, run.topk_ties[flat_dev])
         ties = accumulated_ties([r.ties for r in requests], path_ties)
         tokens = torch.cat([t.tokens for t in out.plan.trees])[flat_host].split([len(n) for n in paths])
@@ -259,12 +276,13 @@ class Engine(EngineChecks):
                 self._last = None
 
         self.runtime.apply_commit(moves, rows, [p + len(n) for p, n in zip(lens, paths)], spend)
-        for req, acc, toks, h, t in zip(requests, accs, tokens, hidden, ties):
+        for req, acc, toks, h, f, t in zip(requests, accs, tokens, hidden, feats, ties):
             req.ties = t
             req.seq_len += toks.numel()
             req.history.append(toks)
             req.root_token = int(acc.bonus)
             req.new_hidden = h
+            req.new_features = None if f is None else f[-self.model.window:]
             req.scratch_owner = 0
 
     def release(self, req: Request) -> None:
@@ -277,6 +295,7 @@ class Engine(EngineChecks):
         if self._last is not None and req.request_id in self._last.request_ids:
             self._last = None
         req.new_hidden = None
+        req.new_features = None
         req.finalizer()  # runs release_row once, and never again at garbage collection
         for drafter in list(self._drafters):
             drafter.release(req)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters.base import check_drafted
-from .drafters.registry import resolve_drafter
+from .drafters.registry import resolve_drafter, tell_sampling
 from .errors import InputError
 from .progress import token_bar
 from .round_stats import end_round, note_round, timed_draft, timed_verify
@@ -129,6 +129,7 @@ def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=None,
     _check_args(max_new_tokens, eos_token_id, generator, engine.model.vocab_size)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
+    tell_sampling(drafter, temperature, top_p, generator)
     ids = engine._as_prompt(prompt_ids)
     check_room(engine, ids.numel() - 1, max_new_tokens)
     req = engine.prefill(ids)

@@ -1,4 +1,4 @@
-"""Drafters by name: "mtp" | "ngram" | "planted" | an object with draft(engine, requests).
+"""Drafters by name: "mtp" | "dspark" | "ngram" | "planted" | an object with draft(engine, requests).
 
 A name builds the drafter for the engine's tree shape once and keeps it on the engine (the
 MTP block's weights are read once per engine, not per call). Every resolved drafter with a
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import InputError
 from .base import TreeShape
 
-DRAFTER_NAMES = ("mtp", "ngram", "planted")
+DRAFTER_NAMES = ("mtp", "dspark", "ngram", "planted")
 
 
 def _build(name: str, engine):
@@ -18,6 +18,10 @@ def _build(name: str, engine):
         from .mtp import MtpDrafter
 
         return MtpDrafter(engine.model, shape)  # depth=None: follows engine.spec.draft_depth
+    if name == "dspark":
+        from .dspark import DSparkDrafter
+
+        return DSparkDrafter(engine.model, shape)
     if name == "ngram":
         from .ngram import NgramDrafter
 
@@ -51,3 +55,10 @@ def _describe(drafter) -> str:
     if isinstance(drafter, type):
         return f"the class {drafter.__name__} (pass an instance)"
     return f"a {type(drafter).__name__}"
+
+
+def tell_sampling(drafter, temperature: float | None, top_p: float, generator) -> None:
+    """A drafter that draws its drafts (`set_sampling`: DSpark) learns the run's rule: draws at
+    `temperature` (None: a greedy run, argmax drafts) with the run's generator."""
+    if callable(getattr(drafter, "set_sampling", None)):
+        drafter.set_sampling(temperature, top_p, generator)

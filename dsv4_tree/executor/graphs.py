@@ -70,8 +70,10 @@ class GraphCache:
     a long run at most max_graphs graphs and their memory are held: the least recently
     replayed one is released first."""
 
-    def __init__(self, model, runtime, ops, capture: Callable = cuda_capture, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, model, runtime, ops, capture: Callable = cuda_capture, max_graphs: int = MAX_GRAPHS,
+                 feature_layers: tuple = ()):
         self.model, self.runtime, self.ops, self.capture = model, runtime, ops, capture
+        self.feature_layers = tuple(feature_layers)  # run_rows' RowsRun.features layers
         self.graphs: dict = {}  # shapes -> _Captured, least recently used first
         self.max_graphs = max_graphs
 
@@ -89,7 +91,8 @@ class GraphCache:
         self.graphs[shapes] = cap  # most recently used last
         cap.replay()
         o = cap.out
-        return RowsRun(o.logits.clone(), o.topk_ties.clone(), o.hidden.clone()), cap.tables
+        features = None if o.features is None else o.features.clone()
+        return RowsRun(o.logits.clone(), o.topk_ties.clone(), o.hidden.clone(), features), cap.tables
 
     def _capture(self, inputs: torch.Tensor, shapes: StepShapes) -> _Captured:
         rt = self.runtime
@@ -97,7 +100,7 @@ class GraphCache:
         def step():
             tables = build_from(inputs, shapes, rt.device_pages, rt.layout)
             plan = VerifyPlan(**tables, rows=(), seq_lens=(), offsets=(), num_nodes=(), trees=())
-            return tables, run_rows(self.model, plan, rt.pools, self.ops)
+            return tables, run_rows(self.model, plan, rt.pools, self.ops, feature_layers=self.feature_layers)
 
         replay, (tables, out) = self.capture(step)
         return _Captured(replay, inputs, tables, out)

@@ -19,9 +19,10 @@ from safetensors import safe_open
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..config import SpecConfig
-from ..errors import InputError, StateError
+from ..errors import CheckpointError, InputError, StateError
 from ..generate_batch import generate_batch
 from ..checkpoint.files import shard_files
+from ..checkpoint.dspark_names import find_dspark, has_dspark
 from ..checkpoint.mtp import MTP_PREFIX
 from .columns import Columns
 from .engines import ENGINES_ATTR, checkpoint_dir, engine_for
@@ -39,8 +40,12 @@ SHAPE_KEYS = ("dsv4_eagle_topk", "dsv4_num_steps", "dsv4_num_draft_tokens")
 
 
 def has_mtp(path: Path | None) -> bool:
-    """Whether the checkpoint's safetensors hold an MTP block (names only, nothing read)."""
+    """Whether the checkpoint's safetensors hold an MTP block (names only, nothing read); `mtp.*`
+    tensors of a bundled DSpark module (dspark_* config keys) are not one."""
     if path is None or not list(path.glob("*.safetensors")):
+        return False
+    found = find_dspark(path)
+    if found is not None and found[0] == Path(path):
         return False
     for f in shard_files(path):
         with safe_open(str(f), framework="pt") as fh:
@@ -49,21 +54,34 @@ def has_mtp(path: Path | None) -> bool:
     return False
 
 
+def dspark_shape(path: Path | None) -> tuple:
+    """DSpark's chain for the checkpoint's block size gamma: topk 1, gamma steps, gamma + 1 nodes."""
+    found = find_dspark(path) if path is not None else None
+    if found is None:
+        raise InputError(f"dsv4_drafter='dspark': the checkpoint {path} has no DSpark module (no dspark_* keys in "
+                         "its config.json and no dspark/ subfolder)")
+    gamma = found[1].get("dspark_block_size")
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+        raise CheckpointError(f"{found[2]}: dspark_block_size must be an int >= 1, got {gamma!r}")
+    return 1, gamma, gamma + 1
+
+
 def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
     """(drafter name, spec) from our keys (custom_generate kwargs, else generation_config
-    attributes): dsv4_drafter "mtp" | "ngram", dsv4_eagle_topk / dsv4_num_steps /
-    dsv4_num_draft_tokens. Unset: MTP when the checkpoint directory has an MTP block, else
-    n-gram, each at its DEFAULT_SHAPES tree."""
+    attributes): dsv4_drafter "dspark" | "mtp" | "ngram", dsv4_eagle_topk / dsv4_num_steps /
+    dsv4_num_draft_tokens. Unset: DSpark when the checkpoint has a DSpark module (its chain of
+    gamma drafts), else MTP when it has an MTP block, else n-gram, each at its DEFAULT_SHAPES tree."""
     def key(name):
         return given[name] if given.get(name) is not None else getattr(gc, name, None)
 
     drafter = key("dsv4_drafter")
+    path = checkpoint_dir(hf)
     if drafter is None:
-        drafter = "mtp" if has_mtp(checkpoint_dir(hf)) else "ngram"
-    if drafter not in DEFAULT_SHAPES:
-        raise InputError(f"dsv4_drafter={drafter!r}: choose one of {sorted(DEFAULT_SHAPES)}")
+        drafter = "dspark" if has_dspark(path) else "mtp" if has_mtp(path) else "ngram"
+    if drafter not in DEFAULT_SHAPES and drafter != "dspark":
+        raise InputError(f"dsv4_drafter={drafter!r}: choose one of {sorted([*DEFAULT_SHAPES, 'dspark'])}")
     topk, steps, nodes = (key(k) for k in SHAPE_KEYS)
-    dk, ds, dn = DEFAULT_SHAPES[drafter]
+    dk, ds, dn = dspark_shape(path) if drafter == "dspark" else DEFAULT_SHAPES[drafter]
     topk, steps = dk if topk is None else topk, ds if steps is None else steps
     if nodes is None and (topk, steps) == (dk, ds):
         nodes = dn

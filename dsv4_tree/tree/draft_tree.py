@@ -40,6 +40,8 @@ class DraftTree:
 
     tokens:  [N] int64
     parents: [N] int64, parents[0] == -1
+    draft_probs: None, or [N - 1, V] for a chain whose tokens were drawn at random: row i is the
+    distribution node i + 1's token was drawn from (verify's rejection sampling uses it).
     Derived on first use (cached): depth [N], path [N, max_depth+1] (ancestor of node i at each
     depth, -1 past its depth), ancestors [N, N] bool, leaves [L]. Construction only validates
     (O(N)); nothing quadratic is built unless asked for, so a prefill chunk's chain is linear.
@@ -47,6 +49,7 @@ class DraftTree:
 
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64
+    draft_probs: torch.Tensor | None = None  # [N - 1, V] float, a sampled chain's draw distributions
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -79,6 +82,8 @@ class DraftTree:
             raise TreeError(f"DraftTree.tokens[{i}]={int(tokens[i])} is negative")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
+        if self.draft_probs is not None:
+            object.__setattr__(self, "draft_probs", _checked_probs(self.draft_probs, tokens, parents))
 
     @functools.cached_property
     def _chain(self) -> bool:
@@ -150,6 +155,9 @@ class DraftTree:
         if self.max_depth <= max_depth:
             return self
         keep = self.depth <= max(0, max_depth)
+        if self.draft_probs is not None:  # a chain: its first nodes
+            n = int(keep.sum())
+            return DraftTree(self.tokens[:n], self.parents[:n], self.draft_probs[: n - 1])
         new_id = torch.cumsum(keep, 0) - 1  # parents come before children, so kept ids stay ordered
         parents = self.parents[keep]
         return DraftTree(self.tokens[keep], torch.where(parents >= 0, new_id[parents.clamp(min=0)], parents))
@@ -164,3 +172,19 @@ class DraftTree:
 
     def __len__(self) -> int:
         return self.num_nodes
+
+
+def _checked_probs(probs, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """A sampled chain's draw distributions, checked against its nodes, as a CPU copy."""
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.dim() != 2:
+        got = type(probs).__name__ if not isinstance(probs, torch.Tensor) else f"{probs.dtype} {tuple(probs.shape)}"
+        raise TreeError(f"DraftTree.draft_probs must be a 2-D float tensor [N - 1, vocab], got {got}")
+    n = tokens.numel()
+    if probs.shape[0] != n - 1:
+        raise TreeError(f"DraftTree.draft_probs has {probs.shape[0]} rows for {n - 1} non-root nodes")
+    if not bool((parents == torch.arange(n) - 1).all()):
+        raise TreeError("DraftTree.draft_probs is for a chain (parents[i] == i - 1); rejection sampling against "
+                        "draw distributions is defined here for chains only")
+    if n > 1 and int(tokens[1:].max()) >= probs.shape[1]:
+        raise TreeError(f"DraftTree.tokens hold id {int(tokens[1:].max())} outside draft_probs' {probs.shape[1]} columns")
+    return probs.detach().to("cpu", copy=True)

@@ -61,3 +61,36 @@ def sample_path(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
             return path, bonus
         path.append(chosen)
         u = chosen
+
+
+def sample_chain(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None):
+    """Speculative sampling along a chain whose tokens were drawn from tree.draft_probs: draft
+    i (node i, drawn from q_i = draft_probs[i - 1]) is accepted with probability
+    min(1, p_i(x_i) / q_i(x_i)); at the first rejection the bonus is drawn from
+    max(p_i - q_i, 0) renormalised; after the last draft, from the target's last row. probs
+    [N, V]: the target's distributions at the chain's nodes. -> (path, bonus). Each emitted
+    token is distributed exactly as the target's next-token distribution."""
+    q_all = tree.draft_probs.to(torch.float64)
+    path = [0]
+    for i in range(1, tree.num_nodes):
+        p, q = probs[i - 1].to(torch.float64), q_all[i - 1]
+        t = int(tree.tokens[i])
+        r = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if r * float(q[t]) < float(p[t]):
+            path.append(i)
+            continue
+        residual = (p - q).clamp(min=0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the rejection had probability 0
+            residual = p
+        return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    last = probs[tree.num_nodes - 1].to(torch.float64)
+    return path, int(torch.multinomial(last / last.sum(), 1, generator=generator))
+
+
+def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None):
+    """The lossless acceptance a drafted tree asks for: speculative sampling against the draw
+    distributions of a sampled chain (tree.draft_probs), else recursive rejection sampling of a
+    tree fixed before any draw. -> (path, bonus)."""
+    if tree.draft_probs is not None:
+        return sample_chain(tree, probs, generator)
+    return sample_path(tree, probs, generator)

@@ -1,0 +1,206 @@
+"""The DSpark drafter in the engine: captured features, draft contexts across commits (nothing
+from rejected drafts), release, failures, greedy generation equal to Hugging Face's, and
+lossless sampling (chi-square of the first token against the target).
+
+Bounds: drafts against the per-request reference at relative 1e-4 (tolerances.md: packed rows
+round differently from the dense reference); captured features and context rows against the
+reference at absolute 1e-5 (committed state vs Hugging Face's, tolerances.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.checkpoint.dspark import DSparkSettings
+from dsv4_tree.checkpoint.tiny import random_dspark
+from dsv4_tree.drafters.base import TreeShape
+from dsv4_tree.drafters.dspark import DSparkDrafter
+from dsv4_tree.drafters.dspark_rows import context_rows
+from dsv4_tree.reference import relative_error
+from dsv4_tree.reference.dspark import ref_dspark_block, ref_dspark_chain, ref_target_features
+from test_adaptive_depth import hf_greedy
+from dsv4_tree.train.corpus import heldout_prompt
+from test_adaptive_sampling import chi2_p
+
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dt.load_model(dt.tiny_checkpoint())
+
+
+def _module(model, gamma=GAMMA, layers=(1, 2, 3), seed=0):
+    return random_dspark(model.config, DSparkSettings(gamma, 8, model.vocab_size - 5, layers), seed=seed)
+
+
+def _engine(model, gamma=GAMMA, **kw):
+    return dt.Engine(model, dt.SpecConfig(eagle_topk=1, num_steps=gamma, num_draft_tokens=gamma + 1, **kw))
+
+
+def _drafter(model, module, record=True):
+    gamma = module.block_size
+    return DSparkDrafter(model, TreeShape(1, gamma, gamma + 1), module=module, record=record)
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 500, (n,), generator=g).tolist()
+
+
+def _check_against_reference(model, drafter, req, case):
+    """The request's last draft and its context equal the reference built from its committed tokens."""
+    module = drafter.module
+    committed = req.tokens
+    feats = ref_target_features(model, committed, module.settings.target_layer_ids)
+    rec = drafter.records[req.request_id]
+    base, hidden = ref_dspark_block(model, module, feats, int(rec.tokens[0]))
+    logits, conf = ref_dspark_chain(module, base, hidden, rec.tokens[:-1])
+    assert relative_error(rec.base, base) < 1e-4, case
+    assert relative_error(rec.logits, logits) < 1e-4, case
+    assert (rec.confidence - conf).abs().max() < 1e-5, case
+    assert torch.equal(rec.tokens[1:], rec.logits.argmax(-1)), case  # greedy: the argmax chain
+    p, w = req.seq_len, model.window
+    lo = max(0, p - w)
+    want = context_rows(model, module, feats[lo:], torch.arange(lo, p))
+    ctx = drafter.contexts[req.request_id]
+    assert ctx.seq_len == p and ctx.tables.shape == want.shape, case
+    torch.testing.assert_close(ctx.tables, want, rtol=0, atol=1e-5, msg=case)
+
+
+def test_engine_keeps_the_target_features_of_committed_rows(model):
+    module = _module(model, layers=(0, 3))
+    eng = _engine(model)
+    eng.register_drafter(_drafter(model, module))
+    req = eng.prefill(_prompt(50, 1))
+    want = ref_target_features(model, req.tokens, (0, 3))
+    assert req.new_features.shape == (model.window, 2 * model.config.hidden_size)
+    torch.testing.assert_close(req.new_features, want[-model.window:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[5, 40], [3, 28]])
+def test_drafts_and_contexts_equal_the_reference_across_rounds(model, lengths):
+    """Several requests, contexts shorter and longer than the window (32), rounds that commit
+    short and long paths: each draft and each context equals the reference from the committed
+    tokens alone (so no rejected draft's row is in any context)."""
+    module = _module(model)
+    eng = _engine(model)
+    drafter = _drafter(model, module)
+    eng.register_drafter(drafter)
+    reqs = eng.prefill_batch([_prompt(n, i) for i, n in enumerate(lengths)])
+    for rnd in range(5):
+        trees = drafter.draft(eng, reqs)
+        for req in reqs:
+            _check_against_reference(model, drafter, req, f"{lengths=} {rnd=} P={req.seq_len}")
+        out = eng.verify(reqs, trees)
+        accs = eng.accept_greedy(reqs, trees, out)
+        if rnd % 2:  # commit the whole drafted chain, rejected drafts included: a long path
+            accs = [dt.Acceptance(tuple(range(t.num_nodes)), 3, r.request_id, out.verify_id) for t, r in zip(trees, reqs)]
+        eng.commit(reqs, accs, out)
+    assert max(r.seq_len for r in reqs) > model.window
+
+
+def test_release_frees_the_context_and_a_dropped_request_leaves_nothing(model):
+    eng = _engine(model)
+    drafter = _drafter(model, _module(model))
+    eng.register_drafter(drafter)
+    a, b = eng.prefill(_prompt(9, 2)), eng.prefill(_prompt(12, 3))
+    drafter.draft(eng, [a, b])
+    assert set(drafter.contexts) == {a.request_id, b.request_id}
+    eng.release(a)
+    assert set(drafter.contexts) == {b.request_id} and a.request_id not in drafter.records
+    with pytest.raises(dt.StateError, match="released"):
+        drafter.draft(eng, [a])
+    rid = b.request_id
+    del b
+    import gc
+
+    gc.collect()
+    assert rid not in drafter.contexts
+
+
+def test_a_failure_mid_draft_or_mid_commit_leaves_the_context(model, monkeypatch):
+    import dsv4_tree.drafters.dspark as dspark_module
+
+    eng = _engine(model)
+    drafter = _drafter(model, _module(model))
+    eng.register_drafter(drafter)
+    req = eng.prefill(_prompt(20, 4))
+    trees = drafter.draft(eng, [req])
+    out = eng.verify([req], trees)
+    eng.commit([req], eng.accept_greedy([req], trees, out), out)
+    before = drafter.contexts[req.request_id]
+    tables, n = before.tables.clone(), before.seq_len
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:  # the draft brings the context up, then fails in the backbone
+        m.setattr(dspark_module, "block_rows", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            drafter.draft(eng, [req])
+    ctx = drafter.contexts[req.request_id]
+    assert ctx.seq_len == n and torch.equal(ctx.tables, tables)
+    trees = drafter.draft(eng, [req])
+    out = eng.verify([req], trees)
+    accs = eng.accept_greedy([req], trees, out)
+    with monkeypatch.context() as m:  # the commit fails after its moves: the request keeps its state
+        m.setattr(eng.runtime.pages, "shrink", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.commit([req], accs, out)
+    trees = drafter.draft(eng, [req])
+    _check_against_reference(model, drafter, req, "after a failed commit")
+
+
+def test_greedy_generation_equals_hugging_face(model):
+    eng = _engine(model)
+    drafter = _drafter(model, _module(model), record=False)
+    prompt = _prompt(30, 5)
+    res = eng.generate(prompt, 24, drafter=drafter, progress=False)
+    assert res.tokens == hf_greedy(model, prompt, 24)
+    prompts = [_prompt(n, 10 + n) for n in (7, 30, 12)]
+    queued = _engine(model, max_requests=2)  # three prompts queue for two rows
+    outs = queued.generate_batch(prompts, [10, 16, 6], drafter=_drafter(model, drafter.module, record=False),
+                                 progress=False)
+    for p, o, n in zip(prompts, outs, (10, 16, 6)):
+        assert o.tokens == hf_greedy(model, p, n)
+
+
+def test_greedy_generation_near_the_position_limit_and_at_eos(model):
+    eng = _engine(model)
+    drafter = _drafter(model, _module(model), record=False)
+    limit = eng.limits.max_positions
+    prompt = _prompt(limit - 9, 6)
+    res = eng.generate(prompt, 8, drafter=drafter, progress=False)
+    assert res.tokens == hf_greedy(model, prompt, 8)
+    full = hf_greedy(model, _prompt(20, 7), 16)
+    eos = full[9]
+    res = eng.generate(_prompt(20, 7), 16, drafter=drafter, eos_token_id=eos, progress=False)
+    assert res.tokens == full[: full.index(eos) + 1] and res.stop_reason == "eos"
+
+
+def test_sampled_first_tokens_follow_the_target(model):
+    """Drafts are drawn from the Markov-biased draft distribution and verified by speculative
+    sampling against it: the first emitted token must follow the target exactly (it would follow
+    the draft distribution if drafts were always accepted, and the target's mode under greedy)."""
+    trained = dt.load_model(dt.trained_checkpoint())
+    module = random_dspark(trained.config, DSparkSettings(GAMMA, 8, 258, (1, 2, 3)), seed=1)
+    eng = dt.Engine(trained, dt.SpecConfig(eagle_topk=1, num_steps=GAMMA, num_draft_tokens=GAMMA + 1,
+                                           max_requests=64, accept="sampling"))
+    drafter = _drafter(trained, module, record=False)
+    eng.register_drafter(drafter)
+    g = torch.Generator().manual_seed(0)
+    drafter.set_sampling(1.0, 1.0, g)
+    prompt = heldout_prompt(40, 3)
+    reqs = eng.prefill_batch([prompt] * 64)
+    target = dt.verify.sampling.target_probs(eng.verify(reqs[:1], [dt.DraftTree.chain([reqs[0].root_token])]).logits[0][0], 1.0)
+    counts = torch.zeros(trained.vocab_size)
+    drafted_first = torch.zeros(trained.vocab_size)
+    for _ in range(40):
+        trees = drafter.draft(eng, reqs)
+        out = eng.verify(reqs, trees)
+        for tree, acc in zip(trees, eng.accept_sampling(reqs, trees, out, 1.0, 1.0, g)):
+            counts[int(tree.tokens[1]) if len(acc.path) > 1 else acc.bonus] += 1
+            drafted_first[int(tree.tokens[1])] += 1
+    assert chi2_p(counts, target) > 1e-3
+    assert chi2_p(drafted_first, target) < 1e-6, "the draft distribution must differ from the target for this test to bite"

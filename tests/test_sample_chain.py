@@ -1,0 +1,89 @@
+"""Speculative sampling along a sampled chain (verify/sampling.sample_chain): drafts drawn from
+q, accepted with min(1, p/q), residual max(p - q, 0): every emitted token follows the target.
+And DraftTree.draft_probs: checked, copied, trimmed with the chain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.verify.sampling import sample_chain, sample_tree
+from test_sampling import chi2_sf
+
+V, TRIALS = 6, 12000
+
+
+def _chi2(counts, probs) -> float:
+    exp = counts.sum() * probs
+    return chi2_sf(float(((counts - exp) ** 2 / exp).sum()), probs.numel() - 1)
+
+
+def _distributions(seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1).double()  # target at nodes 0, 1, 2
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1).double()  # draft rows for nodes 1, 2
+    return p, q
+
+
+def test_first_two_tokens_follow_the_target():
+    """Draw x1 ~ q[0], x2 ~ q[1] (the chain's second draft independent of x1 here; the rule
+    needs only that x_i is drawn from q_i), verify: the first token ~ p[0], and given the first
+    was x1, the second ~ p[1] (the target row of node 1)."""
+    p, q = _distributions(0)
+    g = torch.Generator().manual_seed(1)
+    first = torch.zeros(V)
+    second = torch.zeros(V, V)
+    for _ in range(TRIALS):
+        x = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        tree = dt.DraftTree(torch.tensor([0] + x), torch.tensor([-1, 0, 1]), draft_probs=q)
+        path, bonus = sample_chain(tree, p, g)
+        emitted = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        first[emitted[0]] += 1
+        if len(path) > 1:  # the first draft was accepted: the second token came from node 1's row
+            second[emitted[0], emitted[1]] += 1
+    ps = [_chi2(first, p[0])] + [_chi2(second[t], p[1]) for t in range(V) if second[t].sum() > 200]
+    assert min(ps) > 1e-3, ps
+    # power: accepting every draft would give q[0], which this test tells apart from p[0]
+    assert _chi2(q[0] * TRIALS, p[0]) < 1e-9
+
+
+def test_ignoring_q_is_detected():
+    """The rule that treats drafts as fixed candidates (accept with probability p) is exact too,
+    but accepting with p / q capped at 1 without the residual max(p - q, 0) is not: a sampler
+    drawing the rejection bonus from p itself fails the same check."""
+    p, q = _distributions(2)
+    g = torch.Generator().manual_seed(3)
+    first = torch.zeros(V)
+    for _ in range(TRIALS):
+        x = int(torch.multinomial(q[0], 1, generator=g))
+        r = float(torch.rand(1, generator=g, dtype=torch.float64))
+        tok = x if r * float(q[0, x]) < float(p[0, x]) else int(torch.multinomial(p[0], 1, generator=g))
+        first[tok] += 1
+    assert _chi2(first, p[0]) < 1e-6
+
+
+def test_sample_tree_dispatches_on_draft_probs():
+    p, q = _distributions(4)
+    sampled = dt.DraftTree(torch.tensor([0, 5, 5]), torch.tensor([-1, 0, 1]), draft_probs=q)
+    fixed = dt.DraftTree(torch.tensor([0, 5, 5]), torch.tensor([-1, 0, 1]))
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert sample_tree(sampled, p, g1) == sample_chain(sampled, p, g2)
+    assert fixed.draft_probs is None
+
+
+def test_draft_probs_are_checked_copied_and_trimmed():
+    q = torch.softmax(torch.randn(3, V), -1)
+    tree = dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 1, 2]), draft_probs=q)
+    q[0, 0] = 5.0
+    assert tree.draft_probs[0, 0] != 5.0, "the tree keeps its own copy"
+    cut = tree.up_to_depth(1)
+    assert cut.num_nodes == 2 and torch.equal(cut.draft_probs, tree.draft_probs[:1])
+    with pytest.raises(dt.TreeError, match="2 rows for 3 non-root nodes"):
+        dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 1, 2]), draft_probs=q[:2])
+    with pytest.raises(dt.TreeError, match="for a chain"):
+        dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 2]), draft_probs=q)
+    with pytest.raises(dt.TreeError, match="2-D float tensor"):
+        dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=torch.ones(1, V, dtype=torch.int64))
+    with pytest.raises(dt.TreeError, match="outside draft_probs' 6 columns"):
+        dt.DraftTree(torch.tensor([1, 9]), torch.tensor([-1, 0]), draft_probs=q[:1])
+
