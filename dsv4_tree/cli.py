@@ -10,7 +10,8 @@ import torch
 
 from .config import DRAFT_DEPTHS, MASK_MODES, SpecConfig
 from .drafters import PlantedDrafter, TreeShape
-from .drafters.registry import DRAFTER_NAMES, resolve_drafter
+from .cli_train import add_train_commands
+from .drafters.registry import DRAFTER_NAMES, resolve_drafter, tell_sampling
 from .engine import Engine
 from .errors import Dsv4TreeError, InputError
 from .generate import GenerateStats, resolve_sampling
@@ -128,10 +129,23 @@ def _drafter(engine, args):
     return resolve_drafter(engine, args.drafter)
 
 
+def _dspark_spec(args, model) -> SpecConfig:
+    """The DSpark chain of the checkpoint's block size gamma (eagle_topk 1, gamma steps, gamma + 1 nodes)."""
+    from .checkpoint.dspark_names import load_dspark
+
+    gamma = load_dspark(model).block_size
+    return _spec(args, SpecConfig(eagle_topk=1, num_steps=gamma, num_draft_tokens=gamma + 1))
+
+
 def cmd_demo(args) -> int:
     model = _load(args)
     prompt = torch.tensor(_prompt(model, args.prompt_len, args.seed, args.prompt_text))
-    modes = {"custom": _spec(args)} if _spec_given(args) else {m: _spec(args, s) for m, s in DEMO_MODES.items()}
+    if _spec_given(args):
+        modes = {"custom": _spec(args)}
+    elif args.drafter == "dspark":  # DSpark drafts one chain of its block size
+        modes = {"chain": _dspark_spec(args, model)}
+    else:
+        modes = {m: _spec(args, s) for m, s in DEMO_MODES.items()}
     results = {}
     for mode, spec in modes.items():
         results[mode] = _demo_run(model, spec, prompt, args)
@@ -149,7 +163,9 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     gen = torch.Generator().manual_seed(args.seed)
     req = engine.prefill(prompt)
     saved = []
+    tell_sampling(drafter, temperature, args.top_p, gen)
     what = {"mtp": "the checkpoint's MTP block (EAGLE-2)", "ngram": "prompt lookup",
+            "dspark": "the checkpoint's DSpark block drafter (one backbone pass, Markov head)",
             "planted": f"synthetic: target greedy continuation among random siblings, corrupt={args.corrupt}"}
     print(f"demo: {model.source or 'in-memory model'} | topk={spec.eagle_topk} num_steps={spec.num_steps} "
           f"num_draft_tokens={spec.num_draft_tokens} draft_depth={spec.depth_mode} | prompt {prompt.numel()} tokens | "
@@ -227,19 +243,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_train_tiny(args) -> int:
-    from pathlib import Path
-
-    from .train import TrainConfig, train
-
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                      eval_every=args.eval_every, max_files=args.max_files)
-    hist = train(cfg, Path(args.out), log=lambda m: print(m, flush=True))
-    print(json.dumps({"out": args.out, "final_train_bpb": hist["train_bpb"][-1],
-                      "final_val_bpb": hist["val_bpb"][-1] if hist["val_bpb"] else None}))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsv4-tree", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -250,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length: held-out stdlib bytes for byte-level checkpoints, random ids otherwise")
     d.add_argument("--prompt-text", type=prompt_text, default=None, help="prompt text (byte-level checkpoints)")
     d.add_argument("--drafter", choices=DRAFTER_NAMES, default="mtp",
-                   help="mtp: the checkpoint's MTP block; ngram: prompt lookup; planted: synthetic test drafter")
+                   help="mtp: the checkpoint's MTP block; dspark: its DSpark block drafter (a chain of its block size "
+                        "unless spec flags are given); ngram: prompt lookup; planted: synthetic test drafter")
     d.add_argument("--rounds", type=int_at_least(1), default=8, help="verify rounds to run")
     d.add_argument("--corrupt", type=real_in(0.0, 1.0), default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
@@ -262,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(g, mask_mode=False)
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
+                        "dspark: its DSpark block drafter (chain: --topk 1 --num-steps gamma --num-draft-tokens gamma+1); "
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", type=token_ids, default=None,
                    help="comma-separated token ids (default: a seeded prompt; not with --prompt-text)")
@@ -282,20 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how --ep brings the experts their tokens (transformers' ep_implementation; default "
                         "auto); needs --ep")
     g.set_defaults(func=cmd_generate)
-    t = sub.add_parser("train-tiny", help="train the small byte-level DeepSeek-V4 + MTP on the stdlib sources (CPU)")
-    t.add_argument("--out", required=True, help="output checkpoint directory (HF layout + mtp.* + training.json)")
-    t.add_argument("--steps", type=int_at_least(1), default=2000, help="optimizer steps")
-    t.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
-    t.add_argument("--seq-len", type=int_at_least(1), default=384, help="bytes per sequence (several times 128)")
-    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
-                   help="peak learning rate (warmup, cosine decay); finite, > 0. A run whose loss stops being "
-                        "finite stops with an error and writes no checkpoint past the last finite one")
-    t.add_argument("--seed", type=seed_value, default=0, help="seed for weights and batches (0 to 2^63-1)")
-    t.add_argument("--eval-every", type=int_at_least(1), default=250, help="validation interval (steps)")
-    t.add_argument("--max-files", type=int_at_least(1), default=None,
-                   help="use only the first N stdlib files (smoke runs); both splits (every 10th file is "
-                        "validation) must hold a --seq-len window, checked before training")
-    t.set_defaults(func=cmd_train_tiny)
+    add_train_commands(sub)
     return ap
 
 

@@ -73,12 +73,15 @@ def test_bad_flag_values_exit_2_naming_the_flag(argv, flag, capsys):
 def no_work(monkeypatch):
     """Every command replaced by a failure: what exits 2 here was refused before any work."""
     import dsv4_tree.cli as cli
+    import dsv4_tree.cli_train as cli_train
 
     def ran(args):
         raise AssertionError(f"{args.command} ran past the argument checks")
 
-    for name in ("cmd_demo", "cmd_generate", "cmd_train_tiny"):
+    for name in ("cmd_demo", "cmd_generate"):
         monkeypatch.setattr(cli, name, ran)
+    for name in ("cmd_train_tiny", "cmd_train_dspark"):
+        monkeypatch.setattr(cli_train, name, ran)
 
 
 @pytest.mark.parametrize("argv,flag,why", [
