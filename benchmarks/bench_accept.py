@@ -60,6 +60,7 @@ class Run(NamedTuple):
     draft_seconds: float  # over every round of every prompt (a batch round counted once)
     verify_seconds: float
     depth: object = None  # the adaptive policy's DepthState after the run (None: fixed depth)
+    lengths: tuple = ()  # tokens emitted per round (accepted drafts + bonus), every round of every prompt
 
 
 def single_cases(budgets, depth_sweep: bool = False) -> list:
@@ -78,6 +79,25 @@ def single_cases(budgets, depth_sweep: bool = False) -> list:
     return cases + [("n-gram tree N=8 topk 4", "ngram", 4, 3, 8, "fixed")]
 
 
+def dspark_cases(gamma: int) -> list:
+    """The DSpark comparison: its chain (N = gamma + 1) against the MTP chain at N = 4 and at the
+    same N, and the MTP topk-4 tree of 8 nodes."""
+    return [(f"chain DSpark N={gamma + 1}", "dspark", 1, gamma, gamma + 1, "fixed"),
+            ("chain MTP N=4", "mtp", 1, 3, 4, "fixed"),
+            (f"chain MTP N={gamma + 1}", "mtp", 1, gamma, gamma + 1, "fixed"),
+            ("tree MTP N=8 topk 4", "mtp", 4, TREE_STEPS[8][1], 8, "fixed")]
+
+
+def acceptance_by_depth(lengths, depth: int) -> list:
+    """Per draft depth k = 1..depth: of the rounds whose drafts 1..k-1 were all accepted, the
+    share that accepted draft k too (a round emitting e tokens accepted e - 1 drafts)."""
+    out = []
+    for k in range(1, depth + 1):
+        reached = sum(1 for e in lengths if e - 1 >= k - 1)
+        out.append(sum(1 for e in lengths if e - 1 >= k) / reached if reached else None)
+    return out
+
+
 def hf_generate(model, prompts, new_tokens):
     outs = []
     with torch.no_grad():
@@ -93,7 +113,8 @@ def run_single(model, prompts, new_tokens, eos, kind, topk, steps, nodes, depth=
     st = [r.stats for r in results]
     rounds = sum(x.rounds for x in st)
     return Run([r.tokens for r in results], rounds, rounds, [s for x in st for s in x.draft_steps], st[0].steps_allowed,
-               sum(sum(x.round_draft_seconds) for x in st), sum(sum(x.round_verify_seconds) for x in st), st[-1].depth)
+               sum(sum(x.round_draft_seconds) for x in st), sum(sum(x.round_verify_seconds) for x in st), st[-1].depth,
+               tuple(n for x in st for n in x.accept_lengths))
 
 
 def run_batch(model, prompts, new_tokens, eos, topk, steps, nodes, depth="adaptive"):
@@ -148,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="where the model runs (default: the loader's, the CPU)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="the model's dtype (default: the checkpoint's, fp32)")
+    ap.add_argument("--dspark", action="store_true", help="the DSpark comparison instead of the default cases: DSpark "
+                    "chain, MTP chains at N = 4 and gamma + 1, MTP tree N = 8 (per-depth acceptance too)")
     ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
                     "per single-request case)")
     args = ap.parse_args(argv)
@@ -194,6 +217,8 @@ def main(argv=None):
         rec["x_hf"] = rec["tokens_per_s"] / (hf_rate or rec["tokens_per_s"])
         if args.count_ops and job is not None:
             rec["ops_per_token"], rec["ops_run_steps"] = count_ops(*job)
+        if run is not None and run.lengths:
+            rec["acceptance_by_depth"] = acceptance_by_depth(run.lengths, max(run.lengths) - 1)
         if run is not None and run.depth is not None:
             rec["calibration"] = list(run.depth.calibration)
             rec["step_ms"] = {b: 1e3 * s for b, s in run.depth.step_seconds.items()}
@@ -207,7 +232,12 @@ def main(argv=None):
               + ("" if rec["output_equals_hf"] else "  OUTPUT DIFFERS FROM HF"))
         return rec["tokens_per_s"]
 
-    cases = single_cases(budgets, args.depth_sweep)
+    if args.dspark:
+        from dsv4_tree.checkpoint.dspark_names import load_dspark
+
+        cases, sizes = dspark_cases(load_dspark(model).block_size), []
+    else:
+        cases = single_cases(budgets, args.depth_sweep)
     batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes, default=0))]
     jobs = [(hf_generate, (model, prompts, new))]
     jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes, depth))
@@ -228,6 +258,10 @@ def main(argv=None):
         want_b = hf_generate(model, batch_prompts[:size], batch_new)
         run, secs = next(results)
         report(f"generate_batch x{size} preset, adaptive", run.tokens, run, secs, want_b, batch_hf)
+    for rec in records:
+        if rec.get("acceptance_by_depth"):
+            print(f"acceptance by depth, {rec['case']}: "
+                  + " ".join("-" if a is None else f"{a:.3f}" for a in rec["acceptance_by_depth"]))
     for label, rec in policies:  # the adaptive policy's state at the end of each adaptive case's fastest run
         steps = " ".join(f"b{b} {ms:.2f}" for b, ms in rec["step_ms"].items())
         line = f"policy, {label}: calibration by depth {' '.join(f'{c:.2f}' for c in rec['calibration'])}; step ms {steps}"
