@@ -5,7 +5,8 @@
 Loads the shipped trained byte-level checkpoint with plain `from_pretrained`, then runs
 `model.generate(..., custom_generate=dsv4_tree.custom_generate)`: greedy with a streamer
 (identical to transformers' own greedy output, checked here), sampling, and a left-padded
-batch. The checkpoint's own MTP block drafts the trees."""
+batch. The checkpoint's DSpark module drafts chains by default (it ships one); the batch asks for
+the MTP block's trees (dsv4_drafter="mtp")."""
 import torch
 from transformers import DeepseekV4ForCausalLM
 from transformers.generation.streamers import BaseStreamer
@@ -56,7 +57,7 @@ def main():
     batch = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     out = model.generate(batch, attention_mask=mask, max_new_tokens=40, pad_token_id=0,
-                         custom_generate=dt.custom_generate, dsv4_eagle_topk=4, dsv4_num_steps=2,
+                         custom_generate=dt.custom_generate, dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2,
                          dsv4_num_draft_tokens=8)
     for text, row in zip(texts, out[:, width:].tolist()):
         print(repr(text), "->", repr(bytes(t for t in row if t < 256).decode("utf-8", "replace")))

@@ -204,3 +204,19 @@ def test_sampled_first_tokens_follow_the_target(model):
             drafted_first[int(tree.tokens[1])] += 1
     assert chi2_p(counts, target) > 1e-3
     assert chi2_p(drafted_first, target) < 1e-6, "the draft distribution must differ from the target for this test to bite"
+
+
+def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(dt.trained_checkpoint()), dtype=torch.float32).eval()
+    ids = torch.tensor([heldout_prompt(80, 2)])
+    want = hf.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate), want)
+    specs = {(k[0].eagle_topk, k[0].num_steps, k[0].num_draft_tokens) for k in hf.__dict__["_dsv4_tree_engines"]}
+    assert specs == {(1, 5, 6)}, "the shipped DSpark module's chain (gamma = 5)"
+    with pytest.raises(dt.ConfigError, match="for trees pass dsv4_drafter='mtp'"):
+        hf.generate(ids, max_new_tokens=4, custom_generate=dt.custom_generate, dsv4_eagle_topk=4)
+    tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
+                       dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2, dsv4_num_draft_tokens=8)
+    assert torch.equal(tree, want)

@@ -199,10 +199,10 @@ def test_tree_keys_in_generation_config_and_kwargs():
     ids = torch.tensor([prompts_for("trained")[0]])
     want = model.generate(ids, max_new_tokens=NEW, do_sample=False)
     gc = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=257, dsv4_eagle_topk=2, dsv4_num_steps=3,
-                          dsv4_num_draft_tokens=6)
+                          dsv4_num_draft_tokens=6, dsv4_drafter="mtp")
     assert torch.equal(model.generate(ids, generation_config=gc, custom_generate=dt.custom_generate), want)
     chain = model.generate(ids, max_new_tokens=NEW, custom_generate=dt.custom_generate, dsv4_eagle_topk=1,
-                           dsv4_num_steps=2)
+                           dsv4_num_steps=2, dsv4_drafter="mtp")
     assert torch.equal(chain, want)
     specs = {key[0] for key in model.__dict__["_dsv4_tree_engines"]}
     assert {(s.eagle_topk, s.num_steps, s.num_draft_tokens) for s in specs} >= {(2, 3, 6), (1, 2, 3)}

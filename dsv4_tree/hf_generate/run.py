@@ -19,7 +19,7 @@ from safetensors import safe_open
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..config import SpecConfig
-from ..errors import CheckpointError, InputError, StateError
+from ..errors import CheckpointError, ConfigError, InputError, StateError
 from ..generate_batch import generate_batch
 from ..checkpoint.files import shard_files
 from ..checkpoint.dspark_names import find_dspark, has_dspark
@@ -85,6 +85,11 @@ def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
     topk, steps = dk if topk is None else topk, ds if steps is None else steps
     if nodes is None and (topk, steps) == (dk, ds):
         nodes = dn
+    if drafter == "dspark" and (topk, steps, nodes) != (dk, ds, dn):
+        raise ConfigError(f"dsv4_eagle_topk={topk}, dsv4_num_steps={steps}, dsv4_num_draft_tokens={nodes}: the DSpark "
+                          f"drafter{'' if key('dsv4_drafter') else ' (the default for this checkpoint)'} drafts one chain "
+                          f"of its block size: dsv4_eagle_topk={dk}, dsv4_num_steps={ds}, dsv4_num_draft_tokens={dn}; "
+                          "for trees pass dsv4_drafter='mtp'")
     return drafter, SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes)
 
 
