@@ -220,7 +220,8 @@ def _demo_run(model, spec, prompt, args) -> tuple:
 
 def cmd_generate(args) -> int:
     model = _load(args)
-    engine = Engine(model, _spec(args))
+    dspark_chain = args.drafter == "dspark" and not _spec_given(args)  # its chain unless spec flags say otherwise
+    engine = Engine(model, _dspark_spec(args, model) if dspark_chain else _spec(args))
     drafter = _drafter(engine, args)
     prompt = args.prompt if args.prompt is not None else _prompt(model, args.prompt_len, args.seed, args.prompt_text)
     gen = torch.Generator().manual_seed(args.seed)
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(g, mask_mode=False)
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
-                        "dspark: its DSpark block drafter (chain: --topk 1 --num-steps gamma --num-draft-tokens gamma+1); "
+                        "dspark: its DSpark block drafter (its chain of gamma drafts unless spec flags are given); "
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", type=token_ids, default=None,
                    help="comma-separated token ids (default: a seeded prompt; not with --prompt-text)")

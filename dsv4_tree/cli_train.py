@@ -15,13 +15,14 @@ def cmd_train_dspark(args) -> int:
     from pathlib import Path
 
     from .train.corpus import check_windows
-    from .train.dspark_trainer import DSparkTrainConfig, train_dspark
+    from .train.dspark_trainer import DSparkTrainConfig, check_config, train_dspark
 
     torch.set_num_threads(args.threads)
     cfg = DSparkTrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, seed=args.seed,
                             eval_every=args.eval_every, block_size=args.block_size, markov_rank=args.markov_rank,
                             max_files=args.max_files)
-    check_windows(cfg.max_files, cfg.seq_len)  # before the target is loaded
+    check_config(cfg)  # before the target is loaded
+    check_windows(cfg.max_files, cfg.seq_len)
     model = load_model(args.checkpoint or trained_checkpoint())
     hist = train_dspark(model, cfg, Path(args.out), log=lambda m: print(m, flush=True))
     print(json.dumps({"out": str(Path(args.out) / "dspark"), "final_val_loss": hist["val_loss"][-1],

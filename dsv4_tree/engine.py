@@ -56,12 +56,16 @@ class Engine(EngineChecks):
         """Engine.release(req) will call drafter.release(req). A drafter naming `feature_layers`
         (DSpark) makes prefill and commit keep those target layers' input streams for the rows
         they add (Request.new_features); register it before prefill."""
-        self._drafters.add(drafter)
         layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+        n = self.model.config.num_hidden_layers
+        if any(not _is_int(i) or not 0 <= i < n for i in layers) or len(set(layers)) != len(layers):
+            raise ConfigError(f"{type(drafter).__name__}.feature_layers {list(layers)} must be distinct target "
+                              f"layers in [0, {n})")
+        if layers and self.feature_layers and layers != self.feature_layers:
+            raise ConfigError(f"this engine keeps the features of target layers {list(self.feature_layers)}; a "
+                              f"drafter reading layers {list(layers)} needs an engine of its own")
+        self._drafters.add(drafter)
         if layers and layers != self.feature_layers:
-            if self.feature_layers:
-                raise ConfigError(f"this engine keeps the features of target layers {list(self.feature_layers)}; a "
-                                  f"drafter reading layers {list(layers)} needs an engine of its own")
             self.feature_layers = layers
             self._graphs = None  # captured steps were recorded without the features
 

@@ -129,9 +129,9 @@ def generate(engine, prompt_ids, max_new_tokens, drafter=None, temperature=None,
     _check_args(max_new_tokens, eos_token_id, generator, engine.model.vocab_size)
     temperature = resolve_sampling(engine.spec.accept, temperature, top_p)
     drafter = resolve_drafter(engine, drafter)
-    tell_sampling(drafter, temperature, top_p, generator)
     ids = engine._as_prompt(prompt_ids)
     check_room(engine, ids.numel() - 1, max_new_tokens)
+    tell_sampling(drafter, temperature, top_p, generator)
     req = engine.prefill(ids)
     try:
         with token_bar(max_new_tokens, progress, "generate") as bar:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.base import check_drafted
-from .drafters.registry import resolve_drafter
+from .drafters.registry import resolve_drafter, tell_sampling
 from .errors import InputError, StateError
 from .generate import (GenerateResult, GenerateStats, check_room, check_stop_args, eos_set, fit_tree,
                        resolve_sampling, truncate)
@@ -94,6 +94,9 @@ def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=No
         check_room(engine, x.numel() - 1, n, f"max_new_tokens[{i}]")
     _check_free_row(engine)
     drafter = resolve_drafter(engine, drafter)
+    # a drafter that draws its drafts (DSpark) draws by this run's rule; with hooks (custom_generate)
+    # the acceptance is the caller's, so it drafts its argmax chain, which any exact acceptance takes
+    tell_sampling(drafter, temperature if hooks is None else None, top_p, generator)
     jobs = [_Job(i, x, n, GenerateResult([], GenerateStats())) for i, (x, n) in enumerate(zip(ids, budgets))]
     try:
         with token_bar(sum(budgets), progress, f"generate_batch[{len(jobs)}]") as bar:
@@ -193,7 +196,7 @@ def _fit_pages(engine, req, tree: DraftTree) -> DraftTree:
     slots = (pages.mapped[req.row] + _free_pages(engine)) * pages.page_size - req.seq_len
     if not 1 <= slots < tree.num_nodes:
         return tree
-    return DraftTree(tree.tokens[:slots], tree.parents[:slots])
+    return tree.first_nodes(slots)
 
 
 def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks) -> list:

@@ -220,3 +220,90 @@ def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
     tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
                        dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2, dsv4_num_draft_tokens=8)
     assert torch.equal(tree, want)
+
+
+def test_sampled_drafts_carry_the_reference_distributions_along_their_tokens(model):
+    """In a sampling run each drafted token is drawn from softmax((U_k + W2 W1[x_{k-1}]) / T) with
+    x_{k-1} the token actually drawn before it; the chain carries exactly those rows."""
+    module = _module(model)
+    eng = _engine(model, accept="sampling")
+    drafter = _drafter(model, module)
+    eng.register_drafter(drafter)
+    reqs = eng.prefill_batch([_prompt(30, 8), _prompt(12, 9)])
+    drafter.set_sampling(0.8, 0.95, torch.Generator().manual_seed(4))
+    trees = drafter.draft(eng, reqs)
+    for req, tree in zip(reqs, trees):
+        feats = ref_target_features(model, req.tokens, module.settings.target_layer_ids)
+        base, hidden = ref_dspark_block(model, module, feats, req.root_token)
+        logits, _ = ref_dspark_chain(module, base, hidden, tree.tokens[:-1])
+        want = dt.verify.sampling.target_probs(logits, 0.8, 0.95)
+        assert tree.draft_probs is not None and tree.draft_probs.shape == want.shape
+        torch.testing.assert_close(tree.draft_probs, want, rtol=0, atol=1e-5)  # fp32 logits, 1e-4 relative
+        assert bool((tree.draft_probs.gather(1, tree.tokens[1:, None]) > 0).all())
+    outs = eng.generate_batch([_prompt(20, 10), _prompt(9, 11)], 8, drafter=drafter, temperature=0.8,
+                              generator=torch.Generator().manual_seed(5), progress=False)
+    assert [len(o.tokens) for o in outs] == [8, 8]
+    assert drafter.sampling is not None and drafter.sampling[0] == 0.8, "generate_batch tells the drafter it samples"
+    _engine(model).generate_batch([_prompt(10, 12)], 4, drafter=drafter, progress=False)
+    assert drafter.sampling is None, "a greedy run drafts the argmax chain again"
+
+
+def test_a_drafter_that_does_not_fit_is_refused_by_name(model):
+    module = _module(model)
+    with pytest.raises(dt.ConfigError, match=r"eagle_topk=2 \(needs 1\)"):
+        DSparkDrafter(model, TreeShape(2, GAMMA, GAMMA + 1), module=module)
+    with pytest.raises(dt.InputError, match="shape must be a dsv4_tree.drafters.TreeShape"):
+        DSparkDrafter(model, (1, GAMMA, GAMMA + 1), module=module)
+    with pytest.raises(dt.InputError, match="module is torch.float64"):
+        _drafter(model, _module(model).double())
+    wrong = random_dspark(model.config, DSparkSettings(GAMMA, 8, model.vocab_size - 5, (1, 2)))
+    wrong.main_proj = torch.nn.Linear(3 * model.config.hidden_size, model.config.hidden_size, bias=False)
+    with pytest.raises(dt.InputError, match=r"main_proj.weight has shape \(64, 192\), this target needs \(64, 128\)"):
+        _drafter(model, wrong)
+    drafter = _drafter(model, module)
+    tree_engine = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=GAMMA, num_draft_tokens=8))
+    tree_engine.register_drafter(drafter)
+    req = tree_engine.prefill(_prompt(10, 13))
+    with pytest.raises(dt.ConfigError, match="eagle_topk=2 \\(needs 1\\)"):
+        drafter.draft(tree_engine, [req])
+    other = dt.Engine(dt.load_model(dt.tiny_checkpoint()), dt.SpecConfig(eagle_topk=1, num_steps=GAMMA,
+                                                                            num_draft_tokens=GAMMA + 1))
+    with pytest.raises(dt.InputError, match="built for another model"):
+        drafter.draft(other, [other.prefill(_prompt(10, 14))])
+    with pytest.raises(dt.InputError, match="non-empty list of Requests"):
+        drafter.draft(_engine(model), [])
+
+
+def test_register_drafter_checks_the_feature_layers_before_keeping_anything(model):
+    class Reads:
+        def __init__(self, layers):
+            self.feature_layers = layers
+
+        def draft(self, engine, requests):
+            return []
+
+        def release(self, req):
+            pass
+
+    eng = _engine(model)
+    bad = Reads((1, 9))
+    with pytest.raises(dt.ConfigError, match=r"feature_layers \[1, 9\] must be distinct target layers in \[0, 4\)"):
+        eng.register_drafter(bad)
+    assert eng.feature_layers == () and bad not in eng._drafters
+    first = Reads((1, 2))
+    eng.register_drafter(first)
+    other = Reads((0,))
+    with pytest.raises(dt.ConfigError, match="needs an engine of its own"):
+        eng.register_drafter(other)
+    assert eng.feature_layers == (1, 2) and other not in eng._drafters
+
+
+def test_the_cli_drafts_with_the_shipped_dspark(capsys):
+    from dsv4_tree.cli import main
+
+    assert main(["demo", "--drafter", "dspark", "--rounds", "3", "--prompt-len", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "topk=1 num_steps=5 num_draft_tokens=6" in out and "PASS" in out
+    assert main(["generate", "--drafter", "dspark", "--max-new-tokens", "12", "--prompt-len", "40"]) == 0
+    assert main(["generate", "--drafter", "dspark", "--topk", "4", "--max-new-tokens", "4"]) == 2
+    assert "drafts a chain of dspark_block_size=5 tokens" in capsys.readouterr().err

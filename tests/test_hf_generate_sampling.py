@@ -38,8 +38,8 @@ def test_first_two_tokens_follow_the_model_joint(monkeypatch):
         accepted.append(len(path) - 1)
         return path, bonus
 
-    real = target.sample_path
-    monkeypatch.setattr(target, "sample_path", counting)
+    real = target.sample_tree
+    monkeypatch.setattr(target, "sample_tree", counting)
     torch.manual_seed(0)  # transformers' sampling draws from the global generator; so do we
     counts = dict.fromkeys(cells, 0)
     ids = torch.tensor([prompt] * ROWS)

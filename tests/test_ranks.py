@@ -194,8 +194,9 @@ def test_cli_flags_map_to_distributed_configs(capsys, monkeypatch):
             distributed_config_for(**kwargs)
     from dsv4_tree.cli import main
 
-    assert main(["generate", "--tp", "2", "--ep", "4"]) == 2
-    assert "ep=4 needs tp=4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # refused while parsing, before any work
+        main(["generate", "--tp", "2", "--ep", "4"])
+    assert exit_info.value.code == 2 and "--ep 4 needs --tp 4" in capsys.readouterr().err
     if "WORLD_SIZE" not in os.environ:
         assert main(["generate", "--tp", "2"]) == 2
         assert "torchrun" in capsys.readouterr().err

@@ -257,6 +257,9 @@ def test_quantized_mode_is_checked_before_loading(monkeypatch):
         dt.load_model(release_dir(), device="cpu", quantized="keep")
     with pytest.raises(dt.InputError, match="quantized applies when loading a checkpoint directory"):
         dt.load_model(release_model(), quantized="keep")
+    # past the device check as on a CUDA machine: what follows is refused before anything touches a device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(dt.InputError, match="holds no quantised checkpoint"):
         dt.load_model(dt.tiny_checkpoint(), device="cuda", quantized="keep")
     # no CUDA device is needed to reach the kernel checks: naming "cuda" is enough

@@ -47,18 +47,18 @@ def test_first_two_tokens_follow_the_target():
     assert _chi2(q[0] * TRIALS, p[0]) < 1e-9
 
 
-def test_ignoring_q_is_detected():
-    """The rule that treats drafts as fixed candidates (accept with probability p) is exact too,
-    but accepting with p / q capped at 1 without the residual max(p - q, 0) is not: a sampler
-    drawing the rejection bonus from p itself fails the same check."""
+def test_a_chain_that_misstates_its_draw_distribution_is_detected():
+    """Power check through sample_chain itself: drafts drawn from q but declared as drawn from
+    the target p (a drafter whose draft_probs lie) are always accepted, so the first token
+    follows q, and the same chi-square rejects it."""
     p, q = _distributions(2)
     g = torch.Generator().manual_seed(3)
     first = torch.zeros(V)
-    for _ in range(TRIALS):
-        x = int(torch.multinomial(q[0], 1, generator=g))
-        r = float(torch.rand(1, generator=g, dtype=torch.float64))
-        tok = x if r * float(q[0, x]) < float(p[0, x]) else int(torch.multinomial(p[0], 1, generator=g))
-        first[tok] += 1
+    for _ in range(TRIALS // 4):
+        x = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        tree = dt.DraftTree(torch.tensor([0] + x), torch.tensor([-1, 0, 1]), draft_probs=p[:2])
+        path, bonus = sample_chain(tree, p, g)
+        first[int(tree.tokens[1]) if len(path) > 1 else bonus] += 1
     assert _chi2(first, p[0]) < 1e-6
 
 
@@ -86,4 +86,13 @@ def test_draft_probs_are_checked_copied_and_trimmed():
         dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=torch.ones(1, V, dtype=torch.int64))
     with pytest.raises(dt.TreeError, match="outside draft_probs' 6 columns"):
         dt.DraftTree(torch.tensor([1, 9]), torch.tensor([-1, 0]), draft_probs=q[:1])
+    with pytest.raises(dt.TreeError, match="finite and >= 0"):
+        dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=torch.full((1, V), float("nan")))
+    with pytest.raises(dt.TreeError, match="must sum to 1"):
+        dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=torch.full((1, V), 0.5))
+    zero = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    with pytest.raises(dt.TreeError, match=r"tokens\[1\]=2 has probability 0"):
+        dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=zero)
+    with pytest.raises(dt.InputError, match="6 columns, the target's distributions 7"):
+        sample_chain(dt.DraftTree(torch.tensor([1, 0]), torch.tensor([-1, 0]), draft_probs=zero), torch.ones(2, 7) / 7)
 

@@ -14,6 +14,7 @@ also the MTP / NextN block's: only the `dspark_*` keys make `mtp.*` a DSpark mod
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -24,6 +25,11 @@ from .files import read_config, read_tensors
 from .mtp import CKPT_TO_MODULE, EXPERT_NAME, split_experts, stack_experts
 
 SUBFOLDER = "dspark"
+# config keys that shape the stages (built from the target's config): a DSpark config.json holding
+# one must agree with the target (stage expert counts have their own dspark_* keys)
+STRUCTURE_KEYS = ("hidden_size", "vocab_size", "head_dim", "num_attention_heads", "q_lora_rank", "o_lora_rank",
+                  "o_groups", "hc_mult", "hc_sinkhorn_iters", "sliding_window", "moe_intermediate_size",
+                  "n_shared_experts", "rms_norm_eps", "rope_theta", "rope_parameters")
 PREFIX = "mtp."
 # stage-layer names: the MTP table's decoder entries (checkpoint sub-name -> layer state-dict name)
 _LAYER = {k: v[len("decoder."):] for k, v in CKPT_TO_MODULE.items() if v.startswith("decoder.")}
@@ -116,9 +122,10 @@ def load_dspark(model) -> DSparkModule:
 def build_dspark(target_config, cfg: dict, tensors: dict, where: str) -> DSparkModule:
     """A DSparkModule from a config dict and its release-named tensors, every tensor checked."""
     settings = DSparkSettings.from_config(cfg, target_config, where)
-    for key in ("hidden_size", "vocab_size"):
+    for key in STRUCTURE_KEYS:  # the stages are built from the target's config: a differing key would be ignored
         if key in cfg and cfg[key] != getattr(target_config, key):
-            raise CheckpointError(f"{where}: {key} is {cfg[key]}, the target's is {getattr(target_config, key)}")
+            raise CheckpointError(f"{where}: {key} is {cfg[key]}, the target's is {getattr(target_config, key)} "
+                                  "(the DSpark stages take the target's layer settings)")
     if not tensors:
         raise CheckpointError(f"{where}: the DSpark module has no {PREFIX}* tensors")
     module = DSparkModule(target_config, settings)
@@ -153,16 +160,23 @@ def _release_name(module_name: str, settings: DSparkSettings) -> str:
     return module_name
 
 
-def write_dspark(directory, module: DSparkModule, target_config) -> Path:
-    """Write the module as a `dspark/` subfolder of `directory` (dense fp32 safetensors and a
-    config.json: the target's config plus the `dspark_*` keys). -> the subfolder."""
+def write_dspark(directory, module: DSparkModule, target_config, extra=None) -> Path:
+    """Write the module as a `dspark/` subfolder of `directory` (dense safetensors in the module's
+    dtype and a config.json: the target's config plus the `dspark_*` keys), plus whatever
+    `extra(folder)` writes there; written to a temporary sibling and renamed into place, so a
+    failure leaves the old subfolder (or none). -> the subfolder."""
+    from .tiny import replaced_directory
+
     sub = Path(directory) / SUBFOLDER
-    sub.mkdir(parents=True, exist_ok=True)
-    save_file(to_checkpoint_names(module), str(sub / "model.safetensors"), metadata={"format": "pt"})
-    cfg = target_config.to_dict()
-    cfg.update(module.settings.to_config(), architectures=["DeepseekV4ForCausalLMDSpark"])
-    cfg.pop("torch_dtype", None)
-    (sub / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    with replaced_directory(sub) as tmp:
+        save_file(to_checkpoint_names(module), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = target_config.to_dict()
+        cfg.update(module.settings.to_config(), architectures=["DeepseekV4ForCausalLMDSpark"],
+                   num_nextn_predict_layers=module.settings.num_stages)
+        cfg.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        if extra is not None:
+            extra(tmp)
     return sub
 
 
@@ -173,14 +187,21 @@ def add_dspark_to_checkpoint(directory, module: DSparkModule) -> None:
     from safetensors.torch import load_file
 
     path = Path(directory) / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: bundling appends to a one-file checkpoint; for a sharded or "
+                              f"release-format one use write_release(..., dspark=module) or a {SUBFOLDER}/ subfolder")
     tensors = load_file(str(path))
     taken = sorted(k for k in tensors if k.startswith(PREFIX))
     if taken:
         raise CheckpointError(f"{path} already holds {taken[0]} (an MTP block?): bundle DSpark into a checkpoint "
                               f"without {PREFIX}* tensors, or write it as a {SUBFOLDER}/ subfolder (write_dspark)")
     tensors.update(to_checkpoint_names(module))
-    save_file(tensors, str(path), metadata={"format": "pt"})
     cfg_path = Path(directory) / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_config(Path(directory))
     cfg.update(module.settings.to_config(), num_nextn_predict_layers=module.settings.num_stages)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    # both files written beside their targets first, then renamed: the tensors never sit there
+    # without the dspark_* keys that make them DSpark (they would read as an MTP block)
+    save_file(tensors, str(path) + ".tmp", metadata={"format": "pt"})
+    Path(str(cfg_path) + ".tmp").write_text(json.dumps(cfg, indent=2))
+    os.replace(str(cfg_path) + ".tmp", cfg_path)
+    os.replace(str(path) + ".tmp", path)

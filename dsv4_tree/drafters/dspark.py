@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.dspark import DSparkModule
+from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
 from ..errors import ConfigError, InputError, StateError
 from ..tree.draft_tree import DraftTree
@@ -42,6 +42,24 @@ def _drop(drafter_ref, request_id: int) -> None:
         drafter.release_id(request_id)
 
 
+def check_module(model, module) -> None:
+    """A DSpark module built by hand must fit the target it drafts for (checked once, by name)."""
+    if not isinstance(module, DSparkModule):
+        raise InputError(f"module must be a DSparkModule, got {type(module).__name__}")
+    s = module.settings
+    DSparkSettings.from_config(s.to_config(), model.config, "the DSparkDrafter's module")  # ranges, by key
+    d = model.config.hidden_size
+    want = {"main_proj.weight": (d, s.num_stages * d), "markov_embed.weight": (model.vocab_size, s.markov_rank)}
+    for name, shape in want.items():
+        got = tuple(module.state_dict()[name].shape)
+        if got != shape:
+            raise InputError(f"the DSparkDrafter's module: {name} has shape {got}, this target needs {shape}")
+    w = module.main_proj.weight
+    if w.dtype != model.dtype or w.device != model.device:
+        raise InputError(f"the DSparkDrafter's module is {w.dtype} on {w.device}; the model is {model.dtype} on "
+                         f"{model.device}: move it with module.to(device=..., dtype=...)")
+
+
 def check_chain_shape(shape: TreeShape, gamma: int) -> None:
     """DSpark drafts one chain of gamma tokens per round; other shapes are refused by name."""
     want = dict(topk=1, num_steps=gamma, num_draft_tokens=gamma + 1)
@@ -58,8 +76,9 @@ class DSparkDrafter:
     def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False):
         self.model = model
         self.module = module if module is not None else load_dspark(model)
-        if not isinstance(self.module, DSparkModule):
-            raise InputError(f"module must be a DSparkModule, got {type(self.module).__name__}")
+        check_module(model, self.module)
+        if not isinstance(shape, TreeShape):
+            raise InputError(f"shape must be a dsv4_tree.drafters.TreeShape, got {type(shape).__name__}")
         check_chain_shape(shape, self.module.block_size)
         self.shape = shape
         self.record = record
@@ -101,6 +120,12 @@ class DSparkDrafter:
     @torch.inference_mode()
     def draft(self, engine, requests) -> list:
         model, module = self.model, self.module
+        if engine.model is not model:
+            raise InputError("this DSparkDrafter was built for another model than the engine's: its context comes "
+                             "from the engine's target features, its embedding and head from its own model")
+        check_chain_shape(TreeShape.from_spec(engine.spec), module.block_size)
+        if not isinstance(requests, (list, tuple)) or not requests:
+            raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
         contexts = self._contexts(requests)
         staged = [DSparkContext(c.tables, c.seq_len) for c in contexts]  # kept only if the draft succeeds
         bring_up(model, module, staged, requests)

@@ -97,7 +97,9 @@ class MtpDrafter:
         self.record = record
         self.depth = depth
         self.clock = clock
-        self.policy: DepthPolicy | None = None  # made on the first adaptive draft, kept across rounds
+        # made on the first adaptive draft (at once for depth="adaptive", so callers may seed it), kept across rounds
+        self.policy: DepthPolicy | None = (DepthPolicy(shape.topk, shape.num_steps, shape.num_draft_tokens, clock)
+                                           if depth == "adaptive" else None)
         self._measuring = False  # the last draft was adaptive: end_round reports to the policy
         self.last_round: DraftRound | None = None  # steps the last draft ran, and why it stopped
         self.caches: dict = {}  # request_id -> DraftCache

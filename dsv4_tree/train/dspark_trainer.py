@@ -108,15 +108,21 @@ def dspark_losses(model, module, capture, seq: torch.Tensor, g: torch.Generator,
     return total, ce.detach().mean(0), agree
 
 
-def _check(cfg: DSparkTrainConfig, model) -> None:
-    for name in ("steps", "batch", "anchors", "block_size", "markov_rank", "eval_every", "eval_batches"):
+def check_config(cfg: DSparkTrainConfig) -> None:
+    """Everything about the settings that needs no target (ConfigError naming the field)."""
+    for name in ("steps", "batch", "anchors", "block_size", "markov_rank", "eval_every", "eval_batches", "warmup"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"DSparkTrainConfig.{name} must be >= 1, got {getattr(cfg, name)}")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ConfigError(f"DSparkTrainConfig.lr must be a finite number > 0, got {cfg.lr}")
+    for name in ("lr", "loss_decay"):
+        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
+            raise ConfigError(f"DSparkTrainConfig.{name} must be a finite number > 0, got {getattr(cfg, name)}")
     if cfg.anchors > cfg.seq_len - cfg.block_size - 1:
         raise ConfigError(f"DSparkTrainConfig.anchors={cfg.anchors} exceeds the {cfg.seq_len - cfg.block_size - 1} "
                           f"anchor positions a window of seq_len={cfg.seq_len} has")
+
+
+def _check(cfg: DSparkTrainConfig, model) -> None:
+    check_config(cfg)
     DSparkSettings.from_config(_settings(cfg).to_config(), model.config, "DSparkTrainConfig")
 
 
@@ -132,7 +138,8 @@ def train_dspark(model, cfg: DSparkTrainConfig, out_dir: Path, log=print) -> dic
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.max_files)
     hf = model.hf.eval()
-    for p in hf.parameters():
+    grads = [(p, p.requires_grad) for p in hf.parameters()]
+    for p, _ in grads:
         p.requires_grad_(False)
     module = random_dspark(model.config, _settings(cfg), seed=cfg.seed)
     for name, p in module.named_parameters():  # small-init scales, as the target's training
@@ -181,14 +188,19 @@ def train_dspark(model, cfg: DSparkTrainConfig, out_dir: Path, log=print) -> dic
                 log(f"[train-dspark] step {step}/{cfg.steps} train {hist['train_loss'][-1]:.3f}, {time.time() - t0:.0f}s")
     finally:
         capture.remove()
-    sub = write_dspark(out_dir, module.eval().to(torch.float32), model.config)
+        for p, flag in grads:  # the caller's model as it was
+            p.requires_grad_(flag)
     meta = {"train_config": asdict(cfg), "python_version": corpus.python_version,
             "file_list_sha256": corpus.list_sha256, "params": n_params, "seconds": round(time.time() - t0, 1),
             "cpu_seconds": round(time.process_time() - c0, 1), "torch_threads": torch.get_num_threads(),
             "final_val_loss": hist["val_loss"][-1], "val_agree_by_position": hist["val_agree_by_position"][-1],
             "history": hist}
-    (sub / "training.json").write_text(json.dumps(meta))
-    plot_dspark(hist, sub / "loss_curve.png")
+
+    def card(folder: Path) -> None:
+        (folder / "training.json").write_text(json.dumps(meta))
+        plot_dspark(hist, folder / "loss_curve.png")
+
+    write_dspark(out_dir, module.eval().to(torch.float32), model.config, extra=card)
     return hist
 
 

@@ -156,11 +156,18 @@ class DraftTree:
             return self
         keep = self.depth <= max(0, max_depth)
         if self.draft_probs is not None:  # a chain: its first nodes
-            n = int(keep.sum())
-            return DraftTree(self.tokens[:n], self.parents[:n], self.draft_probs[: n - 1])
+            return self.first_nodes(int(keep.sum()))
         new_id = torch.cumsum(keep, 0) - 1  # parents come before children, so kept ids stay ordered
         parents = self.parents[keep]
         return DraftTree(self.tokens[keep], torch.where(parents >= 0, new_id[parents.clamp(min=0)], parents))
+
+    def first_nodes(self, n: int) -> "DraftTree":
+        """Nodes 0 .. n-1 (parents come before children, so they form a tree), with their draw
+        distributions for a sampled chain (this tree when it has at most n nodes)."""
+        if n >= self.num_nodes:
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[: n - 1]
+        return DraftTree(self.tokens[:n], self.parents[:n], probs)
 
     def path_tokens(self, node: int) -> torch.Tensor:
         """Tokens of path(node), root first. [depth(node) + 1]"""
@@ -187,4 +194,17 @@ def _checked_probs(probs, tokens: torch.Tensor, parents: torch.Tensor) -> torch.
                         "draw distributions is defined here for chains only")
     if n > 1 and int(tokens[1:].max()) >= probs.shape[1]:
         raise TreeError(f"DraftTree.tokens hold id {int(tokens[1:].max())} outside draft_probs' {probs.shape[1]} columns")
-    return probs.detach().to("cpu", copy=True)
+    probs = probs.detach().to("cpu", copy=True)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise TreeError("DraftTree.draft_probs must be finite and >= 0 (distributions)")
+    # a distribution summed in its own dtype: a few ulps per term off 1 at most
+    drift = float((probs.double().sum(-1) - 1).abs().max()) if n > 1 else 0.0
+    if drift > 1e-4:
+        raise TreeError(f"DraftTree.draft_probs rows must sum to 1 (off by {drift:.2e})")
+    if n > 1:
+        drawn = probs.gather(1, tokens[1:].unsqueeze(1)).squeeze(1)
+        if bool((drawn <= 0).any()):
+            i = int((drawn <= 0).nonzero()[0, 0])
+            raise TreeError(f"DraftTree.tokens[{i + 1}]={int(tokens[i + 1])} has probability 0 in draft_probs[{i}]: "
+                            "it cannot have been drawn from it")
+    return probs

@@ -71,6 +71,9 @@ def sample_chain(tree: DraftTree, probs: torch.Tensor, generator: torch.Generato
     [N, V]: the target's distributions at the chain's nodes. -> (path, bonus). Each emitted
     token is distributed exactly as the target's next-token distribution."""
     q_all = tree.draft_probs.to(torch.float64)
+    if q_all.shape[1] != probs.shape[1]:
+        raise InputError(f"the chain's draft_probs have {q_all.shape[1]} columns, the target's distributions "
+                         f"{probs.shape[1]}: draws must be over the target's vocabulary")
     path = [0]
     for i in range(1, tree.num_nodes):
         p, q = probs[i - 1].to(torch.float64), q_all[i - 1]
