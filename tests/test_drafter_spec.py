@@ -43,7 +43,7 @@ def test_custom_generate_and_cli_refuse_eagle_topk_above_the_vocabulary(capsys):
     ids = (prompt(20, 2) % 256).unsqueeze(0)
     with pytest.raises(dt.ConfigError, match=f"eagle_topk=300 exceeds the model's vocabulary size {VOCAB}"):
         hf.generate(ids, max_new_tokens=4, do_sample=False, custom_generate=dt.custom_generate,
-                    dsv4_eagle_topk=300, dsv4_num_draft_tokens=8)
+                    dsv4_eagle_topk=300, dsv4_num_draft_tokens=8, dsv4_drafter="mtp")
     code = main(["generate", "--topk", "300", "--drafter", "mtp", "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "eagle_topk=300" in err and f"vocabulary size {VOCAB}" in err and "Traceback" not in err, err
@@ -91,6 +91,7 @@ def test_a_drafters_own_depth_applies_unless_the_spec_says_otherwise(trained, mo
                                                      f"'{spec_depth}'"):
                 call()
             assert eng.runtime.pages.free_rows == eng.spec.max_requests and not drafter.caches
-        assert drafter.policy is None and drafter.last_round is None  # refused before any draft
+        # refused before any draft: nothing drafted, nothing measured (an adaptive drafter holds its policy from the start)
+        assert drafter.last_round is None and (drafter.policy is None or drafter.policy.rounds_observed == 0)
         same = MtpDrafter(model, PRESET, depth=spec_depth, mtp=drafter.mtp)  # agreeing: runs
         assert eng.generate(ids, 8, drafter=same, progress=False).tokens == want[:8]

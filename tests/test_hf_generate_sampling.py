@@ -45,7 +45,7 @@ def test_first_two_tokens_follow_the_model_joint(monkeypatch):
     ids = torch.tensor([prompt] * ROWS)
     for _ in range(CALLS):
         out = model.generate(ids, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=2,
-                             custom_generate=dt.custom_generate)
+                             custom_generate=dt.custom_generate, dsv4_drafter="mtp")  # the MTP block's trees
         for pair in out[:, len(prompt):].tolist():
             assert tuple(pair) in counts, f"{pair} outside the top-{TOP_K} support"
             counts[tuple(pair)] += 1
