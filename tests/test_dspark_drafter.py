@@ -307,3 +307,43 @@ def test_the_cli_drafts_with_the_shipped_dspark(capsys):
     assert main(["generate", "--drafter", "dspark", "--max-new-tokens", "12", "--prompt-len", "40"]) == 0
     assert main(["generate", "--drafter", "dspark", "--topk", "4", "--max-new-tokens", "4"]) == 2
     assert "drafts a chain of dspark_block_size=5 tokens" in capsys.readouterr().err
+
+
+def test_meta_proxy_features_and_the_dspark_pass_stay_on_device():
+    """On the meta device (shapes only; a host read of device data or a host tensor in a device op
+    raises): prefill and verify keep the features on the device, commit keeps them there, and
+    the context bring-up, backbone pass and Markov / confidence heads run without a host read
+    (the drafted tokens' host copy for the trees is the drafter's one synchronisation point)."""
+    from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up
+    from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
+    from test_device import NoHostTensorsInDeviceOps, host_acceptance
+
+    model = dt.load_model(dt.tiny_checkpoint())
+    model.hf.set_experts_implementation("batched_mm")  # before the stages copy the config
+    module = _module(model)
+    drafter = _drafter(model, module, record=False)
+    model.hf.to("meta")
+    module.to("meta")
+    eng = _engine(model)
+    eng.register_drafter(drafter)
+    with NoHostTensorsInDeviceOps():
+        reqs = eng.prefill_batch([_prompt(40, 20), _prompt(9, 21)])
+        assert all(r.new_features.device.type == "meta" for r in reqs)
+        contexts = [DSparkContext.empty(model, module) for _ in reqs]
+        for rnd in range(2):  # the pass after prefill, then after a commit
+            bring_up(model, module, contexts, reqs)
+            lengths = torch.tensor([c.tables.shape[1] for c in contexts])
+            anchors = torch.tensor([r.root_token for r in reqs], device=model.device)
+            blk = block_rows(model, module, block_ids(module, anchors), torch.tensor([r.seq_len for r in reqs],
+                             device=model.device), torch.cat([c.tables for c in contexts], 1),
+                             block_index(lengths, GAMMA).to(model.device))
+            logits = markov_logits(module, blk.base[:, 0], anchors)
+            conf = confidences(module, blk.hidden[:, 0], anchors)
+            trees = [dt.DraftTree.chain([r.root_token, 3, 4]) for r in reqs]
+            out = eng.verify(reqs, trees)
+            assert out.run.features.device.type == "meta"
+            eng.commit(reqs, [host_acceptance(r, t, out, 2, 5) for r, t in zip(reqs, trees)], out)
+            # the rows this commit added: the accepted path (root and 2 drafts)
+            assert all(r.new_features.device.type == "meta" and r.new_features.shape[0] == 3 for r in reqs)
+    assert all(c.tables.device.type == "meta" for c in contexts)
+    assert logits.device.type == conf.device.type == "meta" and tuple(logits.shape) == (2, model.vocab_size)
