@@ -75,6 +75,10 @@ class _Job:
         """What a (re-)prefill starts from: the prompt and every token generated so far."""
         return torch.cat([self.prompt, torch.tensor(self.result.tokens, dtype=torch.int64)])
 
+    def context_len(self) -> int:
+        """len(context()) without building it (admission checks it every round)."""
+        return self.prompt.numel() + len(self.result.tokens)
+
 
 def generate_batch(engine, prompts, max_new_tokens, drafter=None, temperature=None, top_p=1.0,
                    eos_token_id=None, generator=None, progress=None, hooks=None) -> list:
@@ -165,12 +169,12 @@ def _admit(engine, queue, live) -> bool:
                                      for j in live)
     jobs = []
     for job in queue[: pages.free_rows]:
-        need = _pages(engine, job.context().numel() - 1 + tree)
+        need = _pages(engine, job.context_len() - 1 + tree)
         if need > room:
             break
         jobs.append(job)
         room -= need
-    if not jobs and not live and queue[: pages.free_rows] and _pages(engine, queue[0].context().numel()) <= room:
+    if not jobs and not live and queue[: pages.free_rows] and _pages(engine, queue[0].context_len()) <= room:
         jobs = queue[:1]  # alone, its trees are cut to the slots left (_fit_pages)
     while jobs:
         try:
