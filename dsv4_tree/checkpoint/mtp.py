@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .files import read_tensors
+from .release_names import split_experts as split_stacked
 from ..hf_bindings import DeepseekV4Config
 from ..numerics.norms import rms_norm
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -98,15 +99,9 @@ def stack_experts(experts: dict, prefix: str, n: int, into: str) -> dict:
 
 
 def split_experts(sd: dict, into: str, prefix: str) -> dict:
-    """Inverse of stack_experts: the decoder's stacked experts under `into` -> checkpoint names under `prefix`."""
-    gate_up, down = sd[f"{into}mlp.experts.gate_up_proj"], sd[f"{into}mlp.experts.down_proj"]
-    half = gate_up.shape[1] // 2
-    out = {}
-    for i in range(gate_up.shape[0]):
-        out[f"{prefix}ffn.experts.{i}.w1.weight"] = gate_up[i, :half].contiguous()
-        out[f"{prefix}ffn.experts.{i}.w3.weight"] = gate_up[i, half:].contiguous()
-        out[f"{prefix}ffn.experts.{i}.w2.weight"] = down[i].contiguous()
-    return out
+    """Inverse of stack_experts: the decoder's stacked experts under `into` -> checkpoint names under
+    `prefix` (release_names.split_experts, the main layers' own split)."""
+    return split_stacked(f"{prefix}ffn.", sd[f"{into}mlp.experts.gate_up_proj"], sd[f"{into}mlp.experts.down_proj"])
 
 
 def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:

@@ -32,7 +32,7 @@ class DSparkRecord:
     base: torch.Tensor  # [gamma, vocab] U_k
     hidden: torch.Tensor  # [gamma, hidden]
     logits: torch.Tensor  # [gamma, vocab] fp32, Markov-biased, along the drafted tokens
-    confidence: torch.Tensor  # [gamma]
+    confidence: torch.Tensor  # [gamma] (the chain does not use it: computed for records only)
     tokens: torch.Tensor  # [gamma + 1] anchor, then the drafts
 
 
@@ -136,8 +136,10 @@ class DSparkDrafter:
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
                          block_index(lengths, module.block_size).to(dev))
-        tokens, logits, conf, probs = self._walk(blk, anchors)
+        tokens, logits, probs = self._walk(blk, anchors)
         self._keep(requests, staged)
+        # the token before each position (the anchor, then the drafts)
+        conf = confidences(module, blk.hidden, tokens[:, :-1]) if self.record else None
         with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
             host = tokens.cpu()
             q = None if probs is None else probs.cpu()
@@ -152,11 +154,10 @@ class DSparkDrafter:
 
     def _walk(self, blk, anchors: torch.Tensor):
         """The Markov head left to right. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32,
-        confidences [B, gamma], the draws' distributions [B, gamma, V] float64 or None)."""
-        prev, toks, logits, conf, probs = anchors, [anchors], [], [], []
+        the draws' distributions [B, gamma, V] float64 or None)."""
+        prev, toks, logits, probs = anchors, [anchors], [], []
         for k in range(self.module.block_size):
             lk = markov_logits(self.module, blk.base[:, k], prev)  # [B, V]
-            conf.append(confidences(self.module, blk.hidden[:, k], prev))
             if self.sampling is None:
                 prev = lk.argmax(-1)
             else:
@@ -166,5 +167,4 @@ class DSparkDrafter:
                 prev = torch.multinomial(q, 1, generator=generator).squeeze(1).to(anchors.device)
             logits.append(lk)
             toks.append(prev)
-        return (torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(conf, 1),
-                torch.stack(probs, 1) if probs else None)
+        return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(probs, 1) if probs else None
