@@ -1,5 +1,5 @@
-"""Measuring tools for the verify forward: count dispatched aten ops, count host-to-device
-copies, forbid host syncs.
+"""Measuring tools for the verify forward: count dispatched aten ops, count kernel launches
+(aten ops that launch a kernel + Triton launches), count host-to-device copies, forbid host syncs.
 
 Both are `TorchDispatchMode`s, so they see every aten op that reaches a backend kernel (after
 autograd and after composite ops decompose), which is what a GPU would launch one kernel for.
@@ -7,6 +7,10 @@ autograd and after composite ops decompose), which is what a GPU would launch on
     with OpCounter() as ops:
         engine.verify(requests, trees)
     ops.total, ops.by_name.most_common(5)
+
+    with LaunchCounter(device="meta") as launches:
+        engine.verify(requests, trees)    # launches.total: what a GPU would launch
+    launches.by_owner                     # keyed by LaunchCounter(owner=...)'s labels
 
     with HostToDeviceCounter() as h2d:
         engine.plan(requests, trees)      # h2d.copies == 1: one packed buffer per step
@@ -17,9 +21,11 @@ autograd and after composite ops decompose), which is what a GPU would launch on
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .errors import StateError
 
@@ -39,6 +45,148 @@ class OpCounter(TorchDispatchMode):
         self.total += 1
         self.by_name[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+# aten ops that never launch a kernel: views, allocations without a fill, metadata changes
+_NO_KERNEL = frozenset(f"aten.{n}" for n in """view _unsafe_view _reshape_alias reshape unsqueeze squeeze
+unsqueeze_ squeeze_ transpose t permute expand expand_as slice select alias as_strided detach unflatten
+flatten split split_with_sizes chunk unbind view_as narrow diagonal view_as_real view_as_complex _conj
+_neg_view lift_fresh set_ empty empty_like empty_strided new_empty new_empty_strided resize_""".split())
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _returns_an_input(name: str, args, kwargs, out) -> bool:
+    """An out-of-place op whose every output shares storage with an input (`reshape`, `to`,
+    `contiguous` that returned a view or the input itself): no kernel ran. Storage identity
+    works on the meta device too."""
+    if name.endswith("_"):
+        return False
+    outs = list(_tensors(out))
+    if not outs:
+        return False
+    ins = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+    return all(t.untyped_storage()._cdata in ins for t in outs)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as LaunchCounter's `owner` sees it (the Python stack is live then)."""
+
+    name: str  # "aten.add", or "triton.<kernel function name>"
+    triton: bool
+    host: bool  # an aten op whose tensors all live on the CPU (False for a Triton launch)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts kernel launches inside the `with` block: every aten op that launches a kernel
+    (views, allocations and ops that returned their input are not launches) plus every Triton
+    kernel launch (compiled, or under TRITON_INTERPRET=1; the torch ops the interpreter runs to
+    stage a kernel's arguments are not counted).
+
+    device: the device the counted work runs on; when it is not the CPU (a GPU, or meta for the
+        torch path), an aten op whose tensors all live on the CPU is host bookkeeping, not a launch.
+        On a CPU run host and device tensors look alike: `owner` tells them apart.
+    owner(launch) -> label, or None for host work; called at each launch, so it may read the stack.
+
+    total: launches counted; by_owner / by_name: Counters of them; host: the ops left out as host work.
+    While a LaunchCounter is active, Triton's `JITFunction.run` / `InterpretedFunction.run` are
+    wrapped to report to it; the originals are back when the last one exits."""
+
+    def __init__(self, device=None, owner: Callable[[Launch], str | None] | None = None):
+        super().__init__()
+        self.device = None if device is None else torch.device(device)
+        self.owner = owner if owner is not None else (lambda launch: "all")
+        self.total = 0
+        self.host = 0
+        self.by_owner: collections.Counter = collections.Counter()
+        self.by_name: collections.Counter = collections.Counter()
+        self._in_kernel = 0
+
+    def __enter__(self):
+        _TritonRuns.wrap()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if not any(isinstance(m, LaunchCounter) for m in _get_current_dispatch_mode_stack()):
+            _TritonRuns.unwrap()
+        return out
+
+    def _record(self, launch: Launch) -> None:
+        on_host = launch.host and self.device is not None and self.device.type != "cpu"
+        label = None if on_host else self.owner(launch)
+        if label is None:
+            self.host += 1
+            return
+        self.total += 1
+        self.by_owner[label] += 1
+        self.by_name[launch.name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func.overloadpacket)
+        if self._in_kernel or name in _NO_KERNEL or _returns_an_input(name, args, kwargs, out):
+            return out
+        self._record(Launch(name, False, all(t.device.type == "cpu" for t in _tensors((args, kwargs, out)))))
+        return out
+
+
+class _TritonRuns:
+    """Wraps the `run` of Triton's compiled and interpreted kernels so that each launch reports
+    to the active LaunchCounters (found on torch's dispatch-mode stack: no state kept here)."""
+
+    @staticmethod
+    def _classes():
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return ()
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        return (JITFunction, InterpretedFunction)
+
+    @staticmethod
+    def wrap() -> None:
+        for cls in _TritonRuns._classes():
+            if not hasattr(cls.run, "_unwrapped"):
+                cls.run = _TritonRuns._counting(cls.run)
+
+    @staticmethod
+    def unwrap() -> None:
+        for cls in _TritonRuns._classes():
+            if hasattr(cls.run, "_unwrapped"):
+                cls.run = cls.run._unwrapped
+
+    @staticmethod
+    def _counting(run):
+        def counted_run(self, *args, grid, warmup, **kwargs):
+            counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, LaunchCounter)]
+            if warmup or not counters:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            name = "triton." + getattr(getattr(self, "fn", None), "__name__", type(self).__name__)
+            for c in counters:
+                c._record(Launch(name, True, False))
+                c._in_kernel += 1
+            try:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                for c in counters:
+                    c._in_kernel -= 1
+
+        counted_run._unwrapped = run
+        return counted_run
 
 
 class HostToDeviceCounter(TorchDispatchMode):
