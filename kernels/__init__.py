@@ -6,8 +6,8 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   sparse_decode          <-> ref_sparse_decode          (kernels/sparse_decode.py; reference in reference/sparse_decode.py)
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
-The top-k selection after the indexer scores is torch in both backends (attention/torch_ops.py
-topk_order, tested against reference/ops.py ref_select_topk), so both share one tie rule.
+  indexer_topk           <-> ref_indexer_topk           (kernels/tree_indexer.py; reference in reference/indexer_topk.py)
+indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
 Importing this package imports nothing else: the kernel modules (and Triton) load on first
@@ -19,6 +19,8 @@ import importlib
 _MODULE_OF = {
     "indexer_gather_scores": "indexer_gather",
     "indexer_paged_scores": "indexer_gather",
+    "indexer_topk": "tree_indexer",
+    "indexer_topk_scores": "tree_indexer",
     "pool_entries": "compressor",
     "sparse_decode": "sparse_decode",
 }

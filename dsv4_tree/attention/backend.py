@@ -17,10 +17,11 @@ class AttentionOps:
     indexer_scores: Callable  # torch_ops.indexer_gather_scores (each row's branch keys)
     indexer_paged_scores: Callable  # torch_ops.indexer_paged_scores (each request's committed keys)
     sparse_decode: Callable  # torch_ops.sparse_decode
+    indexer_topk: Callable  # torch_ops.indexer_topk (scores of both kinds + the tie rule's top-k as slots)
 
 
 TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores,
-                         torch_ops.indexer_paged_scores, torch_ops.sparse_decode)
+                         torch_ops.indexer_paged_scores, torch_ops.sparse_decode, torch_ops.indexer_topk)
 
 
 def get_backend(name: str) -> AttentionOps:
@@ -31,7 +32,7 @@ def get_backend(name: str) -> AttentionOps:
             from .. import kernels
 
             return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores,
-                                kernels.indexer_paged_scores, kernels.sparse_decode)
+                                kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

@@ -7,6 +7,7 @@ these are tested against (tests/test_torch_ops.py); the Triton kernels share the
   sparse_decode          -- MQA with a per-head sink over per-row index lists into pools
   indexer_gather_scores  -- lightning-indexer scores of per-row candidate lists in a key pool
   indexer_paged_scores   -- the same for each request's committed keys through its entry pages
+  indexer_topk           -- both, then the tie rule's top-k mapped to entry slots (one op per backend)
   sparse_mqa_sink        -- MQA over per-row index lists into key tables (+ shared keys): the
                             MTP drafter's attention
 Tie rule (design_notes/indexer-tie-rule.md): candidates are laid out in block order (committed
@@ -160,6 +161,39 @@ def indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_
     s = torch.matmul(wg.unsqueeze(2), s).squeeze(2) * scale  # [B, N, C]: the head-weighted sum
     s = s.masked_fill(slots.unsqueeze(1) < 0, float("-inf"))
     return s.view(b * n, c)[row_slot]
+
+
+def _row_places(req_rows: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """req_rows [B, N] (-1 = none) -> (row_slot [T] = b * N + node (0 for padding), real [T] bool)."""
+    flat = as_dtype(req_rows.reshape(-1), torch.int64)
+    target = torch.where(flat >= 0, flat, t)  # padding cells all land in the dropped slot t
+    slot = torch.zeros(t + 1, dtype=torch.int64, device=flat.device)
+    slot = slot.index_put((target,), torch.arange(flat.shape[0], device=flat.device))
+    real = torch.zeros(t + 1, dtype=torch.bool, device=flat.device).index_put((target,), flat >= 0)
+    return slot[:t], real[:t]
+
+
+def indexer_topk(q, weights, keys, entry_pages, entries_per_page, entry_len, branch, req_rows, scale, topk):
+    """The lightning indexer's top-k of every row over its request's committed keys (one batched
+    product per request, indexer_paged_scores) then its own branch keys, with the tie rule.
+
+    q [T, HI, dI]; weights [T, HI]; keys: the indexer-key pool; entry_pages [B, Cp], entry_len [B]
+    (entry j of request b at slot entry_pages[b, j // epp] * epp + j % epp); branch [T, Kb] the
+    row's own entry slots in block order (-1 = none); req_rows [B, N] packed row of node i of
+    request b (-1 = none). Returns (selected entry slots [T, k] int64, -1 = none; lengths [T];
+    ties [T]), k = min(topk, Cp * epp + Kb); rows in no request select nothing."""
+    t, n, epp = q.shape[0], req_rows.shape[1], entries_per_page
+    row_slot, real = _row_places(req_rows, t)
+    committed = indexer_paged_scores(q, weights, keys, entry_pages, epp, entry_len, req_rows, row_slot, scale)
+    own = indexer_gather_scores(q, weights, keys, branch, scale)  # [T, Kb]
+    c, kb = committed.shape[1], branch.shape[1]
+    order, valid, ties = topk_order(torch.cat([committed, own], 1), topk)
+    j = order.clamp(max=max(c - 1, 0))
+    req = (row_slot // n).unsqueeze(1)
+    entry = as_dtype(entry_pages, torch.int64)[req, j // epp] * epp + j % epp
+    picked = torch.where(order < c, entry, as_dtype(branch, torch.int64).gather(1, (order - c).clamp(min=0, max=kb - 1)))
+    valid = valid & real.unsqueeze(1)
+    return torch.where(valid, picked, -1), valid.sum(1), torch.where(real, ties, 0)
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
