@@ -10,6 +10,7 @@ import torch
 
 from .config import DRAFT_DEPTHS, MASK_MODES, SpecConfig
 from .drafters import PlantedDrafter, TreeShape
+from .drafters.base import default_tree_nodes
 from .cli_train import add_train_commands
 from .drafters.registry import DRAFTER_NAMES, resolve_drafter, tell_sampling
 from .engine import Engine
@@ -63,12 +64,6 @@ DEMO_MODES = {"chain": SpecConfig(num_steps=3), "tree": SpecConfig(eagle_topk=4,
 
 def _spec_given(args) -> bool:
     return any(v is not None for v in (args.spec, args.topk, args.num_steps, args.num_draft_tokens))
-
-
-def default_tree_nodes(topk: int, steps: int) -> int:
-    """Nodes of a tree that --topk makes out of a chain: 2 per step plus the root's topk, or all
-    that topk children per node over `steps` levels can offer (as --help states)."""
-    return min(2 * steps + topk, 1 + topk + (steps - 1) * topk**2)
 
 
 def _spec(args, base: SpecConfig | None = None) -> SpecConfig:
@@ -130,7 +125,8 @@ def _drafter(engine, args):
 
 
 def _dspark_spec(args, model) -> SpecConfig:
-    """The DSpark chain of the checkpoint's block size gamma (eagle_topk 1, gamma steps, gamma + 1 nodes)."""
+    """The DSpark chain of the checkpoint's block size gamma (eagle_topk 1, gamma steps, gamma + 1
+    nodes), with the spec flags given on top (--topk K: its Markov tree, gamma deep)."""
     from .checkpoint.dspark_names import load_dspark
 
     gamma = load_dspark(model).block_size
@@ -140,10 +136,10 @@ def _dspark_spec(args, model) -> SpecConfig:
 def cmd_demo(args) -> int:
     model = _load(args)
     prompt = torch.tensor(_prompt(model, args.prompt_len, args.seed, args.prompt_text))
-    if _spec_given(args):
+    if args.drafter == "dspark":  # DSpark: the chain of its block size, or the tree the flags ask for
+        modes = {"custom" if _spec_given(args) else "chain": _dspark_spec(args, model)}
+    elif _spec_given(args):
         modes = {"custom": _spec(args)}
-    elif args.drafter == "dspark":  # DSpark drafts one chain of its block size
-        modes = {"chain": _dspark_spec(args, model)}
     else:
         modes = {m: _spec(args, s) for m, s in DEMO_MODES.items()}
     results = {}
@@ -220,8 +216,7 @@ def _demo_run(model, spec, prompt, args) -> tuple:
 
 def cmd_generate(args) -> int:
     model = _load(args)
-    dspark_chain = args.drafter == "dspark" and not _spec_given(args)  # its chain unless spec flags say otherwise
-    engine = Engine(model, _dspark_spec(args, model) if dspark_chain else _spec(args))
+    engine = Engine(model, _dspark_spec(args, model) if args.drafter == "dspark" else _spec(args))
     drafter = _drafter(engine, args)
     prompt = args.prompt if args.prompt is not None else _prompt(model, args.prompt_len, args.seed, args.prompt_text)
     gen = torch.Generator().manual_seed(args.seed)
@@ -255,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-text", type=prompt_text, default=None, help="prompt text (byte-level checkpoints)")
     d.add_argument("--drafter", choices=DRAFTER_NAMES, default="mtp",
                    help="mtp: the checkpoint's MTP block; dspark: its DSpark block drafter (a chain of its block size "
-                        "unless spec flags are given); ngram: prompt lookup; planted: synthetic test drafter")
+                        "gamma; --topk K > 1: its Markov tree, gamma deep unless --num-steps); ngram: prompt lookup; "
+                        "planted: synthetic test drafter")
     d.add_argument("--rounds", type=int_at_least(1), default=8, help="verify rounds to run")
     d.add_argument("--corrupt", type=real_in(0.0, 1.0), default=0.25,
                    help="probability that a planted draft token is replaced by a random one")
@@ -267,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(g, mask_mode=False)
     g.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="ngram: prompt lookup (model-free); mtp: the checkpoint's MTP block, EAGLE-2 trees; "
-                        "dspark: its DSpark block drafter (its chain of gamma drafts unless spec flags are given); "
+                        "dspark: its DSpark block drafter (its chain of gamma drafts; --topk K > 1: its Markov tree, gamma "
+                        "deep unless --num-steps); "
                         "planted: synthetic test drafter")
     g.add_argument("--prompt", type=token_ids, default=None,
                    help="comma-separated token ids (default: a seeded prompt; not with --prompt-text)")

@@ -38,7 +38,8 @@ def test_demo_on_random_checkpoint_with_planted_drafter(capsys):
 
 def test_generate_prints_stats_and_json(capsys):
     import dsv4_tree as dt
-    from dsv4_tree.cli import _prompt, default_tree_nodes
+    from dsv4_tree.cli import _prompt
+    from dsv4_tree.drafters.base import default_tree_nodes
     from test_generate import hf_greedy
 
     assert main(["generate", "--max-new-tokens", "12", "--topk", "2", "--num-steps", "3", "--drafter", "mtp"]) == 0

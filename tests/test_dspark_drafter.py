@@ -215,8 +215,9 @@ def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
     assert torch.equal(hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate), want)
     specs = {(k[0].eagle_topk, k[0].num_steps, k[0].num_draft_tokens) for k in hf.__dict__["_dsv4_tree_engines"]}
     assert specs == {(1, 5, 6)}, "the shipped DSpark module's chain (gamma = 5)"
-    with pytest.raises(dt.ConfigError, match="for trees pass dsv4_drafter='mtp'"):
-        hf.generate(ids, max_new_tokens=4, custom_generate=dt.custom_generate, dsv4_eagle_topk=4)
+    with pytest.raises(dt.ConfigError, match=r"dsv4_eagle_topk=1, dsv4_num_steps=3, dsv4_num_draft_tokens=4: .*"
+                       r"num_steps=3 \(needs 5\)"):
+        hf.generate(ids, max_new_tokens=4, custom_generate=dt.custom_generate, dsv4_num_steps=3)
     tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
                        dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2, dsv4_num_draft_tokens=8)
     assert torch.equal(tree, want)
@@ -250,8 +251,18 @@ def test_sampled_drafts_carry_the_reference_distributions_along_their_tokens(mod
 
 def test_a_drafter_that_does_not_fit_is_refused_by_name(model):
     module = _module(model)
-    with pytest.raises(dt.ConfigError, match=r"eagle_topk=2 \(needs 1\)"):
-        DSparkDrafter(model, TreeShape(2, GAMMA, GAMMA + 1), module=module)
+    with pytest.raises(dt.ConfigError, match=r"num_steps=3 \(needs 4\)"):
+        DSparkDrafter(model, TreeShape(1, GAMMA - 1, GAMMA), module=module)
+    with pytest.raises(dt.ConfigError, match=r"at most dspark_block_size=4 deep: num_steps=5 \(needs <= 4\)"):
+        DSparkDrafter(model, TreeShape(2, GAMMA + 1, 8), module=module)
+    with pytest.raises(dt.ConfigError, match=r"offers 14 candidates \(needs num_draft_tokens <= 15\)"):
+        DSparkDrafter(model, TreeShape(2, GAMMA, 16), module=module)
+    with pytest.raises(dt.ConfigError, match="TreeShape.topk"):
+        DSparkDrafter(model, TreeShape(model.vocab_size + 1, 1, 4), module=module)
+    with pytest.raises(dt.ConfigError, match="size must be one of"):
+        DSparkDrafter(model, TreeShape(2, GAMMA, 8), module=module, size="big")
+    with pytest.raises(dt.ConfigError, match="branching must be one of"):
+        DSparkDrafter(model, TreeShape(2, GAMMA, 8), module=module, branching="dd")
     with pytest.raises(dt.InputError, match="shape must be a dsv4_tree.drafters.TreeShape"):
         DSparkDrafter(model, (1, GAMMA, GAMMA + 1), module=module)
     with pytest.raises(dt.InputError, match="module is torch.float64"):
@@ -264,8 +275,13 @@ def test_a_drafter_that_does_not_fit_is_refused_by_name(model):
     tree_engine = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=GAMMA, num_draft_tokens=8))
     tree_engine.register_drafter(drafter)
     req = tree_engine.prefill(_prompt(10, 13))
-    with pytest.raises(dt.ConfigError, match="eagle_topk=2 \\(needs 1\\)"):
+    with pytest.raises(dt.ConfigError, match=r"drafts TreeShape\(topk=1, num_steps=4, num_draft_tokens=5\); the "
+                       r"engine's SpecConfig asks for TreeShape\(topk=2"):
         drafter.draft(tree_engine, [req])
+    chain_engine = dt.Engine(model, dt.SpecConfig(eagle_topk=1, num_steps=GAMMA - 1, num_draft_tokens=GAMMA))
+    chain_engine.register_drafter(drafter)
+    with pytest.raises(dt.ConfigError, match=r"num_steps=3 \(needs 4\)"):
+        drafter.draft(chain_engine, [chain_engine.prefill(_prompt(10, 15))])
     other = dt.Engine(dt.load_model(dt.tiny_checkpoint()), dt.SpecConfig(eagle_topk=1, num_steps=GAMMA,
                                                                             num_draft_tokens=GAMMA + 1))
     with pytest.raises(dt.InputError, match="built for another model"):

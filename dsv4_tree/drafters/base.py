@@ -30,6 +30,13 @@ class TreeShape:
         return cls(spec.eagle_topk, spec.num_steps, spec.num_draft_tokens)
 
 
+def default_tree_nodes(topk: int, steps: int) -> int:
+    """Nodes of a tree made out of a chain when only topk is given (the CLI's --topk, a DSpark
+    tree in custom_generate): 2 per step plus the root's topk, or all that topk children per node
+    over `steps` levels can offer."""
+    return min(2 * steps + topk, 1 + topk + (steps - 1) * topk**2)
+
+
 class Drafter(Protocol):
     def draft(self, engine, requests) -> list:
         """One DraftTree per request, tokens[0] == request.root_token."""

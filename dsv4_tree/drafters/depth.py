@@ -91,11 +91,7 @@ class DepthPolicy:
 
     # ------------------------------------------------------------------ decisions
     def calibration(self) -> list:
-        out, prev = [], 1.0
-        for a, p in zip(self.accepted_mass, self.predicted_mass):
-            prev = (a + PRIOR_MASS * prev) / (p + PRIOR_MASS)
-            out.append(prev)
-        return out
+        return calibrate(self.accepted_mass, self.predicted_mass)
 
     # The decisions run on host copies a few dozen scores wide, once or twice a round: numpy,
     # whose calls on arrays this small cost a tenth of torch's (the policy's whole cost per
@@ -181,16 +177,33 @@ class DepthPolicy:
         _decay(self.round_tokens, b, sum(committed) * b / len(keep))
         cut = set(cut)
         whole = [(i, c) for (i, _), c in zip(seen, committed) if pend.request_ids[i] not in cut]
-        predicted = pend.mass[[i for i, _ in whole]].sum(0)  # per depth
-        for d in range(self.num_steps):
-            self.accepted_mass[d] = MASS_DECAY * self.accepted_mass[d] + sum(c - 1 > d for _, c in whole)
-            self.predicted_mass[d] = MASS_DECAY * self.predicted_mass[d] + float(predicted[d])
+        add_mass(self.accepted_mass, self.predicted_mass, pend.mass, whole)
         self.rounds_observed += 1
 
     def state(self) -> DepthState:
         per_token = {b: self._seconds_per_token(b) for b in sorted(self.round_seconds)}
         return DepthState(dict(sorted(self.step_seconds.items())), per_token, tuple(self.calibration()),
                           tuple(self.predicted_mass), self.rounds_observed)
+
+
+def calibrate(accepted: list, predicted: list) -> list:
+    """Per depth: accepted / predicted score mass, one unit of prior mass pulling depth d toward
+    depth d - 1's value (depth 1 toward 1.0)."""
+    out, prev = [], 1.0
+    for a, p in zip(accepted, predicted):
+        prev = (a + PRIOR_MASS * prev) / (p + PRIOR_MASS)
+        out.append(prev)
+    return out
+
+
+def add_mass(accepted: list, predicted: list, mass: np.ndarray, whole) -> None:
+    """One round into the decayed per-depth sums (in place): mass [B, depths] the drafted score
+    mass per request and depth; whole [(row in mass, tokens committed)] of the requests whose
+    round was not cut (a request committing c tokens accepted depths 1 .. c - 1)."""
+    drafted = mass[[i for i, _ in whole]].sum(0)
+    for d in range(len(accepted)):
+        accepted[d] = MASS_DECAY * accepted[d] + sum(c - 1 > d for _, c in whole)
+        predicted[d] = MASS_DECAY * predicted[d] + float(drafted[d])
 
 
 def _decay(table: dict, key, sample: float) -> None:

@@ -7,9 +7,18 @@ x_k = argmax (greedy runs) or a draw (sampling runs, `set_sampling`) from
 softmax(U_k + W2 W1[x_{k-1}]). The chain is [anchor, x_1 .. x_gamma]: eagle_topk = 1,
 num_steps = gamma, num_draft_tokens = gamma + 1. A sampled chain carries the distributions its
 tokens were drawn from (`DraftTree.draft_probs`) so verify's rejection sampling is against them.
+
+eagle_topk = K > 1 drafts a Markov tree from the same backbone pass (drafters/dspark_tree.py):
+num_steps <= gamma, each frontier node's top-K children from its own Markov-biased
+distribution, the best num_draft_tokens - 1 candidates by path probability, or, with the size
+policy (size="adaptive", or size=None under SpecConfig.draft_depth "adaptive", the default for
+trees), the count the policy chooses from values and measured round costs
+(drafters/size_policy.py), best by value. Tree drafts are deterministic (top-K, no draws),
+greedy or sampled: verify's tree rejection sampling is exact for any tree fixed before its draws.
 Per-request state (`contexts`) lives until `release(req)`."""
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -17,12 +26,19 @@ import torch
 
 from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
+from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
+from ..ranks import agree_choice
+from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from ..verify.sampling import target_probs
 from .base import TreeShape
 from .dspark_cache import DSparkContext, bring_up
+from .depth import candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
+from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
+from .mtp import depth_for
+from .size_policy import SizePolicy
 
 
 @dataclass
@@ -34,6 +50,17 @@ class DSparkRecord:
     logits: torch.Tensor  # [gamma, vocab] fp32, Markov-biased, along the drafted tokens
     confidence: torch.Tensor  # [gamma] (the chain does not use it: computed for records only)
     tokens: torch.Tensor  # [gamma + 1] anchor, then the drafts
+
+
+@dataclass
+class DSparkTreeRecord:
+    """A request's last tree draft (record=True): each node's draft distribution, for the tests."""
+
+    tree: DraftTree
+    base: torch.Tensor  # [gamma, vocab] U_k
+    hidden: torch.Tensor  # [gamma, hidden]
+    logits: torch.Tensor  # [nodes - 1, vocab] fp32: the distribution node 1.. was chosen from
+    confidence: torch.Tensor  # [nodes - 1]: its parent's confidence
 
 
 def _drop(drafter_ref, request_id: int) -> None:
@@ -61,7 +88,17 @@ def check_module(model, module) -> None:
 
 
 def check_chain_shape(shape: TreeShape, gamma: int) -> None:
-    """DSpark drafts one chain of gamma tokens per round; other shapes are refused by name."""
+    """eagle_topk 1: DSpark drafts one chain of gamma tokens per round; K > 1: a Markov tree at most
+    gamma deep, of at most its candidate pool + 1 nodes. Other shapes are refused by name."""
+    if shape.topk > 1:
+        pool = shape.topk + (shape.num_steps - 1) * shape.topk ** 2
+        if shape.num_steps > gamma:
+            raise ConfigError(f"the DSpark drafter's trees are at most dspark_block_size={gamma} deep: "
+                              f"num_steps={shape.num_steps} (needs <= {gamma})")
+        if shape.num_draft_tokens - 1 > pool:
+            raise ConfigError(f"num_draft_tokens={shape.num_draft_tokens}: a DSpark tree of eagle_topk={shape.topk}, "
+                              f"num_steps={shape.num_steps} offers {pool} candidates (needs num_draft_tokens <= {pool + 1})")
+        return
     want = dict(topk=1, num_steps=gamma, num_draft_tokens=gamma + 1)
     bad = [f"{'eagle_topk' if k == 'topk' else k}={getattr(shape, k)} (needs {v})" for k, v in want.items()
            if getattr(shape, k) != v]
@@ -73,17 +110,33 @@ def check_chain_shape(shape: TreeShape, gamma: int) -> None:
 class DSparkDrafter:
     """drafter="dspark": the checkpoint's DSpark module (module= to pass one built by hand)."""
 
-    def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False):
+    def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False,
+                 size: str | None = None, branching: str = "markov", clock=time.perf_counter):
+        """size (trees): None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees
+        by default) | "fixed" (num_draft_tokens nodes) | "adaptive" (the size policy); branching:
+        "markov" | "base" (the DDTree-style baseline, for measurements); clock: the policy's timer."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
         check_module(model, self.module)
         if not isinstance(shape, TreeShape):
             raise InputError(f"shape must be a dsv4_tree.drafters.TreeShape, got {type(shape).__name__}")
         check_chain_shape(shape, self.module.block_size)
+        check_topk_vocab(shape.topk, model.vocab_size, "TreeShape.topk")
+        if size is not None and size not in DRAFT_DEPTHS:
+            raise ConfigError(f"DSparkDrafter size must be one of {DRAFT_DEPTHS} or None, got {size!r}")
+        if branching not in BRANCHINGS:
+            raise ConfigError(f"DSparkDrafter branching must be one of {BRANCHINGS}, got {branching!r}")
         self.shape = shape
         self.record = record
+        self.size = size
+        self.branching = branching
+        self.clock = clock
+        # trees only; made on the first adaptive draft (at once for size="adaptive"), kept across rounds
+        self.policy: SizePolicy | None = (SizePolicy(shape.num_steps, shape.num_draft_tokens, clock)
+                                          if size == "adaptive" and shape.topk > 1 else None)
+        self._measuring = False  # the last draft chose its size: end_round reports to the policy
         self.contexts: dict = {}  # request_id -> DSparkContext
-        self.records: dict = {}  # request_id -> DSparkRecord (record=True)
+        self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)
         self.sampling = None  # (temperature, top_p, generator) for sampling runs; None = greedy
 
     @property
@@ -103,7 +156,10 @@ class DSparkDrafter:
         self.records.pop(request_id, None)
 
     def end_round(self, requests, cut=()) -> None:
-        """Nothing to learn: a DSpark chain's depth is its block size."""
+        """A chain has nothing to learn (its depth is its block size); a sized tree's policy times
+        the round and calibrates its values."""
+        if self._measuring and self.policy is not None:
+            self.policy.end_round(requests, cut)
 
     def _contexts(self, requests) -> list:
         for req in requests:
@@ -124,6 +180,9 @@ class DSparkDrafter:
             raise InputError("this DSparkDrafter was built for another model than the engine's: its context comes "
                              "from the engine's target features, its embedding and head from its own model")
         check_chain_shape(TreeShape.from_spec(engine.spec), module.block_size)
+        if TreeShape.from_spec(engine.spec) != self.shape:
+            raise ConfigError(f"this DSparkDrafter drafts {self.shape}; the engine's SpecConfig asks for "
+                              f"{TreeShape.from_spec(engine.spec)} (build the drafter for the engine's spec)")
         if not isinstance(requests, (list, tuple)) or not requests:
             raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
         contexts = self._contexts(requests)
@@ -136,6 +195,11 @@ class DSparkDrafter:
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
                          block_index(lengths, module.block_size).to(dev))
+        if self.shape.topk > 1:
+            size = depth_for(self.size, engine.spec, "DSparkDrafter(size")
+            trees = self._tree(requests, blk, anchors, size)
+            self._keep(requests, staged)
+            return trees
         tokens, logits, probs = self._walk(blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
@@ -168,3 +232,49 @@ class DSparkDrafter:
             logits.append(lk)
             toks.append(prev)
         return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(probs, 1) if probs else None
+
+    def _tree(self, requests, blk, anchors, size: str) -> list:
+        """The Markov tree of every request (module docstring), its size fixed or the policy's."""
+        k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
+        policy = self.policy
+        self._measuring = size == "adaptive"
+        if self._measuring and policy is None:
+            policy = self.policy = SizePolicy(steps, n, self.clock)
+        if self._measuring:
+            policy.begin()
+        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record)
+        cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
+        scores, tokens, parents, values = (cpu(x) for x in (exp.score_list, exp.token_list, exp.parents_list,
+                                                          exp.value_list))
+        b = len(requests)
+        pool = torch.cat([x.reshape(b, -1) for x in values], 1)  # [B, P]
+        if self._measuring:
+            depths = candidate_depths(torch.arange(pool.shape[1]), k).numpy()
+            nodes = agree_choice(self.model, policy.choose(pool.double().numpy(), depths))  # rank 0 decides
+            org = organize_draft_results(values, tokens, parents, nodes)
+            policy.drafted(requests, nodes, pool.gather(1, org.top_scores_index).numpy(),
+                           candidate_depths(org.top_scores_index, k).numpy())
+        else:
+            org = organize_draft_results(scores, tokens, parents, min(n, pool.shape[1] + 1))
+        local = local_parents(org.parent_list, org.top_scores_index, k)
+        ids = torch.cat([anchors.cpu().unsqueeze(1), org.draft_tokens], 1)
+        with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
+            trees = [DraftTree(ids[i].clone(), local[i].clone()) for i in range(b)]
+            if self.record:
+                self._record_tree(requests, trees, blk, exp, org.top_scores_index, k)
+        return trees
+
+    def _record_tree(self, requests, trees, blk, exp: MarkovExpansion, chosen: torch.Tensor, k: int) -> None:
+        """Each node's distribution, read from the expansion's own rows (candidate id -> its parent's row)."""
+        depth = candidate_depths(chosen, k)  # [B, N - 1] 1-based
+        front = torch.where(depth == 1, 0, (chosen - k - (depth - 2) * k * k) // k)
+        for i, req in enumerate(requests):
+            rows = [exp.logit_list[0][i].cpu() if d == 1 else exp.logit_list[d - 1][i, f].cpu()
+                    for d, f in zip(depth[i].tolist(), front[i].tolist())]
+            conf = [exp.confidence_list[0][i].cpu() if d == 1 else exp.confidence_list[d - 1][i, f].cpu()
+                    for d, f in zip(depth[i].tolist(), front[i].tolist())]
+            vocab = blk.base.shape[-1]
+            self.records[req.request_id] = DSparkTreeRecord(
+                trees[i], blk.base[i].cpu().clone(), blk.hidden[i].cpu().clone(),
+                torch.stack(rows) if rows else torch.empty(0, vocab),
+                torch.stack(conf) if conf else torch.empty(0))

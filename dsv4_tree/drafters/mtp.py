@@ -72,14 +72,15 @@ def _agreed_stop(model, stop: str | None) -> str:
     return _STOPS[agree_choice(model, _STOPS.index(stop or "max"))]
 
 
-def depth_for(drafter_depth: str | None, spec) -> str:
+def depth_for(drafter_depth: str | None, spec, what: str = "MtpDrafter(depth") -> str:
     """The depth a draft for an engine with `spec` runs at: the drafter's own when it was given
-    one, else the spec's (SpecConfig.depth_mode). Both given and different: ConfigError."""
+    one, else the spec's (SpecConfig.depth_mode). Both given and different: ConfigError naming
+    `what` (the drafter's argument)."""
     if drafter_depth is None:
         return spec.depth_mode
     if spec.draft_depth is not None and spec.draft_depth != drafter_depth:
-        raise ConfigError(f"MtpDrafter(depth={drafter_depth!r}) drafts for an engine whose SpecConfig.draft_depth="
-                          f"{spec.draft_depth!r}: give one of the two (MtpDrafter depth=None follows the engine's spec)")
+        raise ConfigError(f"{what}={drafter_depth!r}) drafts for an engine whose SpecConfig.draft_depth="
+                          f"{spec.draft_depth!r}: give one of the two ({what}=None) follows the engine's spec)")
     return drafter_depth
 
 

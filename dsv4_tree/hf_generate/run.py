@@ -24,6 +24,8 @@ from ..generate_batch import generate_batch
 from ..checkpoint.files import shard_files
 from ..checkpoint.dspark_names import find_dspark, has_dspark
 from ..checkpoint.mtp import MTP_PREFIX
+from ..drafters.base import TreeShape, default_tree_nodes
+from ..drafters.dspark import check_chain_shape
 from .columns import Columns
 from .engines import ENGINES_ATTR, checkpoint_dir, engine_for
 from .settings import read_request
@@ -85,11 +87,14 @@ def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
     topk, steps = dk if topk is None else topk, ds if steps is None else steps
     if nodes is None and (topk, steps) == (dk, ds):
         nodes = dn
-    if drafter == "dspark" and (topk, steps, nodes) != (dk, ds, dn):
-        raise ConfigError(f"dsv4_eagle_topk={topk}, dsv4_num_steps={steps}, dsv4_num_draft_tokens={nodes}: the DSpark "
-                          f"drafter{'' if key('dsv4_drafter') else ' (the default for this checkpoint)'} drafts one chain "
-                          f"of its block size: dsv4_eagle_topk={dk}, dsv4_num_steps={ds}, dsv4_num_draft_tokens={dn}; "
-                          "for trees pass dsv4_drafter='mtp'")
+    if drafter == "dspark" and nodes is None and topk > 1:  # its Markov tree: the CLI's --topk default size
+        nodes = default_tree_nodes(topk, steps)
+    if drafter == "dspark":  # the drafter's own shape rules, by our keys' names
+        try:
+            check_chain_shape(TreeShape(topk, steps, nodes if nodes is not None else steps + 1), ds)
+        except ConfigError as exc:
+            raise ConfigError(f"dsv4_eagle_topk={topk}, dsv4_num_steps={steps}, dsv4_num_draft_tokens={nodes}: "
+                              f"{exc}") from None
     return drafter, SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes)
 
 
