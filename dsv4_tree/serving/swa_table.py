@@ -14,17 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-
-
-def _ancestor_columns(parents: torch.Tensor, width: int) -> torch.Tensor:
-    """parents [bs, N] -> [bs, N, width] int64: column k = k-th ancestor's node index, -1 above the root."""
-    bs, n = parents.shape
-    node = torch.arange(n, device=parents.device).expand(bs, n)
-    cols = [node]
-    for _ in range(width - 1):
-        up = torch.gather(parents, 1, cols[-1].clamp_min(0))
-        cols.append(torch.where(cols[-1] >= 0, up, -1))
-    return torch.stack(cols, dim=2)
+from .tables import ancestors, path_slots
 
 
 def tree_swa_page_indices(req_to_token: torch.Tensor, full_to_swa_mapping: torch.Tensor,
@@ -36,8 +26,9 @@ def tree_swa_page_indices(req_to_token: torch.Tensor, full_to_swa_mapping: torch
     [num_full_slots] int full slot -> SWA slot; req_pool_indices [bs] int; seq_lens [bs] int
     (P, committed); parents [bs, N] int64 with parents[b, 0] = -1 and parents[b, i] < i (a
     well-formed tree is the caller's guarantee: checking it would read device values). Every
-    gathered `req_to_token` column is < P + N. Vectorised: the only loop runs over
-    min(W, N) - 1 ancestor steps."""
+    gathered `req_to_token` column is < P + N. The engine's table functions on packed rows
+    (`tables.ancestors`, `tables.path_slots`): log2(min(W, N)) ancestor doublings, no loop over
+    rows."""
     if parents.dim() != 2 or parents.dtype != torch.int64:
         raise InputError(f"parents must be int64 [bs, N], got {parents.dtype} {tuple(parents.shape)}")
     bs, n = parents.shape
@@ -50,19 +41,23 @@ def tree_swa_page_indices(req_to_token: torch.Tensor, full_to_swa_mapping: torch
     if swa_window <= 0 or page_index_aligned_size <= 0:
         raise InputError(f"swa_window and page_index_aligned_size must be > 0, "
                          f"got {swa_window=} {page_index_aligned_size=}")
-    device = parents.device
-    width = swa_window
-    anc = _ancestor_columns(parents, min(width, n))  # [bs, N, min(W, N)]
-    path_len = (anc >= 0).sum(dim=2, keepdim=True)  # [bs, N, 1]: depth + 1 (capped at W)
-    if width > n:
-        anc = torch.nn.functional.pad(anc, (0, width - n), value=-1)
-    k = torch.arange(width, device=device)  # [W]
-    P = seq_lens.to(torch.int64).view(bs, 1, 1)
-    position = P + path_len - 1 - k  # [bs, N, W]: column k's position where k >= path_len, else >= P
-    column = torch.where(k < path_len, P + anc, position)  # [bs, N, W]: req_to_token column of the key
-    valid = position >= 0
-    rows = req_to_token[req_pool_indices.to(torch.int64).view(bs, 1, 1), column.clamp_min(0)]
-    swa = full_to_swa_mapping[rows.to(torch.int64)].to(torch.int32)
-    swa = swa.masked_fill(~valid, -1).view(bs * n, width)
-    padded = -(-width // page_index_aligned_size) * page_index_aligned_size
-    return torch.nn.functional.pad(swa, (0, padded - width), value=-1)
+    req, nodes, packed = packed_tree_rows(req_pool_indices, seq_lens, parents)
+    anc = ancestors(packed, min(swa_window, n))  # [T, min(W, N)] packed rows: own path first
+    P = seq_lens.to(torch.int64).repeat_interleave(n)
+    pos = P + (anc >= 0).sum(1) - 1  # P + depth
+    swa_of = lambda cols: full_to_swa_mapping[req_to_token[req.view(-1, 1), cols.clamp_min(0)].to(torch.int64)]  # noqa: E731
+    node_swa = swa_of((P + nodes).view(-1, 1)).view(-1)
+    q = pos.view(-1, 1) - torch.arange(swa_window, device=parents.device)  # newest first
+    swa = path_slots(anc, pos, P, node_swa, swa_of(q), q).to(torch.int32)
+    padded = -(-swa_window // page_index_aligned_size) * page_index_aligned_size
+    return torch.nn.functional.pad(swa, (0, padded - swa_window), value=-1)
+
+
+def packed_tree_rows(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, parents: torch.Tensor) -> tuple:
+    """[bs, N] trees -> (req_pool_indices [T], node ids [T], packed parents [T]) of rows b * N + i
+    (parents numbered by packed row, -1 at roots): the engine's packed-row form."""
+    bs, n = parents.shape
+    ids = torch.arange(n, device=parents.device)
+    base = (torch.arange(bs, device=parents.device) * n).view(bs, 1)
+    packed = torch.where(parents >= 0, parents.to(torch.int64) + base, -1).reshape(-1)
+    return req_pool_indices.to(torch.int64).repeat_interleave(n), ids.repeat(bs), packed

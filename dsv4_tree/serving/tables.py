@@ -154,13 +154,51 @@ class _Rows:
     recent: torch.Tensor  # [T] recent slot of each row's token slot (trash for padding)
 
 
+def path_slots(anc: torch.Tensor, pos: torch.Tensor, seq_len: torch.Tensor, node_slot: torch.Tensor,
+               committed: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Slots of absolute positions q [T, k] as row t sees them (its own path): q >= P from the
+    row's ancestor at that depth (node_slot [T] of the packed rows, anc [T, >= depth + 1]),
+    q < P from committed [T, k] (the caller's lookup of the committed slots); -1 where q < 0.
+    The one rule of both SWA windows (SGLang's `swa_page_indices` form and the engine's) and of
+    the compressor's source rows."""
+    dist = (pos.unsqueeze(1) - q).clamp(min=0, max=anc.shape[1] - 1)
+    drafted = node_slot[anc.gather(1, dist).clamp(min=0)]
+    out = torch.where(q >= seq_len.unsqueeze(1), drafted, committed)
+    return torch.where(q >= 0, out, -1)
+
+
+def branch_entries(anc: torch.Tensor, pos: torch.Tensor, seq_len: torch.Tensor, valid: torch.Tensor,
+                   node_entry: torch.Tensor, m: int) -> tuple:
+    """-> (branch [T, Kb], count [T]), Kb = (N - 1) // m + 1 (N = anc's width): the entries of
+    the blocks closed on row t's own path in this verify (closing positions >= P), block order,
+    as node_entry [T] (the entry slot each packed row writes) of their closing ancestors; -1
+    past count. The C4 indexer's branch candidates, the tail of C128's per-row entry list."""
+    first_close = seq_len + (m - 1 - seq_len) % m
+    count = torch.where(valid & (pos >= first_close), (pos - first_close) // m + 1, 0)
+    kb = (anc.shape[1] - 1) // m + 1
+    v = torch.arange(kb, device=pos.device)
+    dist = ((pos - first_close).unsqueeze(1) - v * m).clamp(min=0, max=anc.shape[1] - 1)
+    owner = anc.gather(1, dist)
+    return torch.where(v < count.unsqueeze(1), node_entry[owner.clamp(min=0)], -1), count
+
+
+def append_branch(committed: torch.Tensor, n_committed: torch.Tensor, branch: torch.Tensor,
+                  n_branch: torch.Tensor) -> torch.Tensor:
+    """committed [T, K] (column j: committed entry j), n_committed [T], branch [T, Kb], n_branch
+    [T] -> [T, K] (committed's dtype): the row's committed entries, then its branch entries, -1
+    after (SGLang's `c128_page_indices` form: a row's whole entry list in block order)."""
+    t, k = committed.shape
+    j = torch.arange(k, device=committed.device).view(1, k)
+    rel = j - n_committed.to(torch.int64).view(t, 1)
+    own = branch.gather(1, rel.clamp(0, branch.shape[1] - 1)).to(committed.dtype)
+    tail = torch.where((rel >= 0) & (rel < n_branch.to(torch.int64).view(t, 1)), own, -1)
+    return torch.where(rel < 0, committed, tail)
+
+
 def _source_slots(r: _Rows, pages: TokenPages, q: torch.Tensor) -> torch.Tensor:
     """Recent slots of absolute positions q [T, k] seen from each row (its ancestors for q >= P)."""
-    dist = (r.pos.unsqueeze(1) - q).clamp(min=0, max=r.anc.shape[1] - 1)
-    drafted = r.recent[r.anc.gather(1, dist).clamp(min=0)]
     committed = pages.swa_slots(pages.token_slots(r.row.unsqueeze(1), q))
-    out = torch.where(q >= r.seq_len.unsqueeze(1), drafted, committed)
-    return torch.where(q >= 0, out, -1)
+    return path_slots(r.anc, r.pos, r.seq_len, r.recent, committed, q)
 
 
 def committed_entry_pages(pages: TokenPages, layout: Layout, req_pool_indices: torch.Tensor, m: int,
@@ -197,23 +235,14 @@ def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq
     n_e = seq_lens // m  # [B]
     entry_pages, epp = committed_entry_pages(pages, layout, req_pool_indices, m, width)
     # branch entries, per row: closed on its path at positions first_close, first_close + m, ...
-    first_close = r.seq_len + (m - 1 - r.seq_len) % m
-    n_vis = torch.where(r.valid & (r.pos >= first_close), (r.pos - first_close) // m + 1, 0)
-    kb = (r.anc.shape[1] - 1) // m + 1
-    v = torch.arange(kb, device=dev)
-    dist = ((r.pos - first_close).unsqueeze(1) - v * m).clamp(min=0, max=r.anc.shape[1] - 1)
-    owner = r.anc.gather(1, dist)
-    branch = torch.where(v < n_vis.unsqueeze(1), scratch[owner.clamp(min=0)], -1)
+    branch, n_vis = branch_entries(r.anc, r.pos, r.seq_len, r.valid, scratch, m)
     row_entries = row_len = None
     if not overlap:  # no indexer reads this ratio: every row lists all it sees (c128_page_indices)
-        ne = torch.where(r.valid, n_e[r.req], 0).unsqueeze(1)
-        jj = torch.arange(width + kb, device=dev)
-        jc = jj.clamp(max=width - 1)
+        ne = torch.where(r.valid, n_e[r.req], 0)
+        jc = torch.arange(width + branch.shape[1], device=dev).clamp(max=width - 1)
         committed = entry_pages[r.req.unsqueeze(1), jc // epp].long() * epp + jc % epp
-        vb = jj - ne
-        own = branch.gather(1, vb.clamp(min=0, max=kb - 1))
-        row_entries = torch.where(jj < ne, committed, torch.where(vb < n_vis.unsqueeze(1), own, -1))
-        row_len = ne.squeeze(1) + n_vis
+        row_entries = append_branch(committed, ne, branch, n_vis)
+        row_len = ne + n_vis
     return CompressTables(m, closes, entry_out, torch.where(closes, block * m, 0), src, entry_pages, epp, n_e,
                           branch, n_vis, row_entries, row_len)
 

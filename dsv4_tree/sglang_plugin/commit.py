@@ -65,11 +65,13 @@ class TreeCommitPlan:
     c128_clear: torch.Tensor  # [bs * N] bool: cleared (positions P + L .. P + N - 1)
 
 
-def check_accept_path(accept_index, accept_lens, parents, depth) -> torch.Tensor:
+def check_accept_path(accept_index, accept_lens, parents, depth, window=None, full_to_swa=None) -> torch.Tensor:
     """StateError (naming the field and the bound) unless, for every request b, accept_lens[b] is
     in [1, S] and the first accept_lens[b] entries of accept_index[b] are b's own node ids
     (b*N .. b*N + N - 1, N the window) forming a root-first path: entry d at depth d, its parent
-    entry d - 1. One host read for all checks. -> local node ids [bs, S] (padding entries: 0)."""
+    entry d - 1; and (window [bs, N], full_to_swa given) every window slot is a full slot with an
+    SWA slot, which lets `move_kv_cache` run inside the commit without a read of its own. One
+    host read for all checks. -> local node ids [bs, S] (padding entries: 0)."""
     bs, n = depth.shape
     S = accept_index.shape[1]
     dev = depth.device
@@ -80,32 +82,42 @@ def check_accept_path(accept_index, accept_lens, parents, depth) -> torch.Tensor
     in_window = (local >= 0) & (local < n)
     node = torch.where(valid & in_window, local, torch.zeros_like(local))
     prev = torch.cat([torch.full_like(node[:, :1], -1), node[:, :-1]], dim=1)
-    checks = (
+    checks = [
         ((L < 1) | (L > S)).any(),
         (valid & ~in_window).any(),
         (valid & (depth.gather(1, node) != d)).any(),
         (valid & (d >= 1) & (parents.gather(1, node) != prev)).any(),
-    )
+    ]
+    if window is not None:
+        limit = full_to_swa.shape[0]
+        inside = (window >= 0) & (window < limit)
+        checks.append((~inside | (full_to_swa[window.clamp(0, limit - 1)] < 0)).any())
     failed = torch.stack(checks).tolist()  # the commit's one host read
     if any(failed):
         what = (f"accept_lens must be in [1, {S}] (accept_index's width)",
                 f"accept_index[b, :accept_lens[b]] must be request b's own node ids b*{n} .. b*{n}+{n - 1}",
                 "accept_index[b, d] must be a node at depth d",
-                "accept_index[b, d]'s parent must be accept_index[b, d-1]")[failed.index(True)]
+                "accept_index[b, d]'s parent must be accept_index[b, d-1]",
+                "out_cache_loc must name full slots in [0, full_to_swa_index_mapping's size) with an SWA slot "
+                f"(out_cache_loc {None if window is None else window.tolist()})")[failed.index(True)]
         raise StateError(f"dsv4_tree commit: accept_index is not a root-first path of the verified tree: {what} "
-                         f"(accept_index {accept_index.tolist()}, accept_lens {accept_lens.tolist()})")
+                         f"(accept_index {accept_index.tolist()}, accept_lens {accept_lens.tolist()})"
+                         if failed.index(True) < 4 else f"dsv4_tree commit: {what}")
     return node
 
 
 def plan_tree_commit(*, req_pool_indices, seq_lens, retrieve_next_token, retrieve_next_sibling, out_cache_loc,
-                     accept_index, accept_lens, scratch, c128_ring: int | None) -> TreeCommitPlan:
+                     accept_index, accept_lens, scratch, c128_ring: int | None,
+                     full_to_swa: torch.Tensor | None = None) -> TreeCommitPlan:
     """accept_index [bs, S] global node ids root first (-1 padded), accept_lens [bs] (path
-    lengths, root included), seq_lens [bs] = P; scratch: the pool's TreeScratch. Checked
-    (`check_accept_path`) before anything is planned, so before any write."""
+    lengths, root included), seq_lens [bs] = P; scratch: the pool's TreeScratch; full_to_swa:
+    the pool's mapping (the window's slots are checked against it). Checked (`check_accept_path`)
+    before anything is planned, so before any write."""
     parents = parents_from_retrieve(retrieve_next_token, retrieve_next_sibling)
     depth = depths(parents)
-    node = check_accept_path(accept_index, accept_lens, parents, depth)
     bs, n = depth.shape
+    window_slots = out_cache_loc.to(torch.int64).view(bs, n) if full_to_swa is not None else None
+    node = check_accept_path(accept_index, accept_lens, parents, depth, window_slots, full_to_swa)
     dev = depth.device
     S = accept_index.shape[1]
     L = accept_lens.to(torch.int64).view(bs, 1)
@@ -188,7 +200,8 @@ def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """`DeepSeekV4TokenToKVPool.move_kv_cache` (SGLang 0.5.23 has none; `register()` sets it):
     copy the slot-keyed records of full slots src_loc [n] over tgt_loc [n]: SWA K=V records and
     C4 state rows. Pairs with tgt == src (SGLang's zero padding) are no-ops. Inside a commit the
-    writes join its undo log; alone, a failure restores what this call wrote.
+    writes join its undo log and the call reads nothing on the host (`commit_swa_pairs`); alone, a
+    failure restores what this call wrote.
 
     Only pools the tree backend prepared (`pool.dsv4_tree_scratch`) have it: SGLang 0.5.23's other
     callers (the NGRAM worker, the pipeline-parallel relay) found none before the plug-in and get a
@@ -197,9 +210,13 @@ def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     the entries and C128 state rows, which only the commit moves, would stay behind."""
     check_move_allowed(pool)
     tgt, src = tgt_loc.to(torch.int64).view(-1), src_loc.to(torch.int64).view(-1)
-    # Host reads, once per call (once per round: SGLang calls it once per commit / draft step, not
-    # per layer): dropping SGLang's tgt == src padding pairs (slot 0, which may have no SWA slot)
-    # sizes the moves, and one read checks every slot.
+    log = getattr(pool, LOG_ATTR, None)
+    if log is not None:  # inside the commit: fixed shape, no host read (the hook checked the window's slots)
+        swa_s, swa_t = commit_swa_pairs(pool, tgt, src)
+        return _move_slot_records(pool, log, swa_s, swa_t)
+    # Outside the commit (the draft pool's duplicate_prefix_tail_to_draft_branches, run eagerly by
+    # prepare_for_draft before the draft graph): one host read per call drops SGLang's tgt == src
+    # padding pairs (slot 0, which may have no SWA slot) and checks every slot.
     keep = tgt != src
     tgt, src = tgt[keep], src[keep]
     if tgt.numel() == 0:
@@ -215,22 +232,40 @@ def move_kv_cache(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     if bad_swa:
         raise StateError(f"dsv4_tree move_kv_cache: full slots without an SWA slot: tgt {tgt.tolist()} "
                          f"src {src.tolist()}")
-    log = getattr(pool, LOG_ATTR, None)
-    own = log is None
-    log = UndoLog() if own else log
+    log = UndoLog()
     try:
-        for lb in pool_layers(pool):
-            move_records(log, lb.swa, swa_s, swa_t)
-            if lb.ratio == 4:
-                for sp in (lb.state, lb.index_state):
-                    if sp is not None:
-                        move_records(log, StateRows(sp.kv_score_buffer.kv_score),
-                                     sp.translate_from_swa_loc_to_state_loc(swa_s.clone()),
-                                     sp.translate_from_swa_loc_to_state_loc(swa_t.clone()))
+        _move_slot_records(pool, log, swa_s, swa_t)
     except BaseException:
-        if own:
-            log.rollback()
+        log.rollback()
         raise
+
+
+def commit_swa_pairs(pool, tgt: torch.Tensor, src: torch.Tensor) -> tuple:
+    """SGLang's commit moves tgt <- src [n] (full slots) -> SWA slots (src, dst) [n], fixed shape, no
+    host read: every pair that moves nothing (tgt == src: SGLang's zero padding, a root at its own
+    slot) becomes a copy of one chosen pair, a real move when there is one (so it writes that
+    pair's value to that pair's slot again), else a self-move of a slot with an SWA slot."""
+    limit = pool.full_to_swa_index_mapping.shape[0]
+    swa_t = pool.translate_loc_from_full_to_swa(tgt.clamp(0, limit - 1)).to(torch.int64)
+    swa_s = pool.translate_loc_from_full_to_swa(src.clamp(0, limit - 1)).to(torch.int64)
+    real = tgt != src
+    rank = real.to(torch.int8) * 2 + ((swa_t >= 0) & (swa_s >= 0)).to(torch.int8)
+    pick = rank.argmax().view(1)
+    return torch.where(real, swa_s, swa_s[pick]), torch.where(real, swa_t, swa_t[pick])
+
+
+def _move_slot_records(pool, log: UndoLog, swa_s: torch.Tensor, swa_t: torch.Tensor) -> None:
+    """SWA records and C4 state rows of SWA slots swa_s over swa_t, every layer, into `log`."""
+    if swa_s.numel() == 0:
+        return
+    for lb in pool_layers(pool):
+        move_records(log, lb.swa, swa_s, swa_t)
+        if lb.ratio == 4:
+            for sp in (lb.state, lb.index_state):
+                if sp is not None:
+                    move_records(log, StateRows(sp.kv_score_buffer.kv_score),
+                                 sp.translate_from_swa_loc_to_state_loc(swa_s.clone()),
+                                 sp.translate_from_swa_loc_to_state_loc(swa_t.clone()))
 
 
 def run_tree_commit(pool, plan: TreeCommitPlan, slot_moves):

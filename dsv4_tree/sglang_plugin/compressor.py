@@ -18,9 +18,11 @@ nodes) would share rows. Here, per call (one layer, one compressor):
 3. Every node's raw `kv_score` row is then written to a state row of its own: C4 at SGLang's
    row for the node's token slot (distinct per node), C128 at `req * ring + (P + i) % ring` (the
    node's slot index i, not its depth). Commit moves accepted rows to their depth's rows.
-Reading before writing keeps step 1 independent of what step 3 overwrites. No host read: the
-closing rows (`tables.c4_closing` / `c128_closing`) and the ancestor table are computed once per
-verify with the tables (`tables.closing_rows`), not per layer."""
+Reading before writing keeps step 1 independent of what step 3 overwrites. Fixed shape, no host
+read (it runs inside SGLang's captured verify graph): every row is computed as if it closed a
+block, and the rows that close none store their entry in the scratch's trash slot
+(`TreeScratch.trash`), as the engine's compressor does; the ancestor table comes with the
+verify's tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError
 from ..numerics.hadamard import hadamard_rotate
 from ..numerics.rope import apply_rope, rope_pairs
 from ..serving.records import IndexKeyLayout, RecordLayout, quantize_rows
@@ -90,20 +92,21 @@ def _rope_tables(freqs_cis: torch.Tensor, positions: torch.Tensor):
     return rope_pairs(f.real.float().unsqueeze(0), f.imag.float().unsqueeze(0))
 
 
-def source_rows(tables: TreeVerifyTables, rows: TreeRows, closing: torch.Tensor, ratio: int, ring: torch.Tensor,
-                kv_score: torch.Tensor, ring_rows_of) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (rows [E, W, last_dim] fp32, positions [E, W]) of closing rows `closing` [E]:
-    W = 2m (C4) or m; committed positions from the ring, verify positions from kv_score."""
+def source_rows(tables: TreeVerifyTables, rows: TreeRows, ratio: int, ring: torch.Tensor, kv_score: torch.Tensor,
+                ring_rows_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rows [T, W, last_dim] fp32, positions [T, W]) of every verify row, as if it closed a
+    block (W = 2m (C4) or m): committed positions from the ring, verify positions from kv_score
+    along the row's path. Fixed shape: rows that close nothing are computed and discarded."""
     n = rows.n
     width = 2 * ratio if ratio == 4 else ratio
-    lens = tables.seq_lens_casual.to(torch.int64)[closing].view(-1, 1)
-    pos = lens - width + torch.arange(width, device=lens.device)  # [E, W]
-    b, i = closing // n, closing % n
+    lens = tables.seq_lens_casual.to(torch.int64).view(-1, 1)
+    pos = lens - width + torch.arange(width, device=lens.device)  # [T, W]
+    t = lens.shape[0]
+    b = torch.arange(t, device=lens.device) // n
     P = rows.prefix[b].view(-1, 1)
-    depth = tables.depth.reshape(-1)[closing].view(-1, 1)
-    anc = tables.ancestors[b.view(-1, 1), i.view(-1, 1)]  # [E, 1, N]
+    depth = tables.depth.reshape(-1, 1)
     up = (depth - (pos - P)).clamp(0, n - 1)  # how far up the path position pos sits
-    node = anc.squeeze(1).gather(1, up)
+    node = tables.ancestors.reshape(t, n).gather(1, up)
     from_input = kv_score[(b.view(-1, 1) * n + node.clamp_min(0)).view(-1)].view(*pos.shape, -1).float()
     ring_idx = ring_rows_of(rows.req[b].view(-1, 1), pos.clamp_min(0))
     from_ring = ring[ring_idx.clamp_min(0).view(-1)].view(*pos.shape, -1).float()
@@ -163,21 +166,18 @@ def tree_compress(*, pool, req_to_token: torch.Tensor, tables: TreeVerifyTables,
         raise ConfigError(f"dsv4_tree tree compressor: kv_score rows of {kv_score.shape[-1]} values, state rows "
                           f"of {ring.shape[-1]} (layer {layer_id}, ratio {ratio})")
     full_to_swa = pool.full_to_swa_index_mapping
+    scratch = pool.dsv4_tree_scratch
     rows = TreeRows.of(tables)
-    closing = tables.c4_closing if ratio == 4 else tables.c128_closing
-    if closing is None:
-        raise StateError("dsv4_tree tree compressor: the verify's tables have no closing rows "
-                         "(tables.closing_rows, set by tree_verify_metadata)")
-    if closing.numel():  # a shape (set once per verify by closing_rows), not a device value
-        ring_rows_of = lambda req, pos: committed_state_rows(state_pool, ratio, req_to_token, full_to_swa,  # noqa: E731
-                                                             req, pos)
-        src, pos = source_rows(tables, rows, closing, ratio, ring, kv_score, ring_rows_of)
-        kv, gate = gate_and_kv(src, pos, ratio, d, compressor.ape)
-        block_start = tables.seq_lens_casual.to(torch.int64)[closing] - ratio
-        cos, sin = _rope_tables(compressor.freqs_cis, block_start)
-        entries = ops.pool_entries(kv, gate, _Norm(compressor.norm), cos, sin, apply_rope).float()
-        if compressor.rotate:
-            entries = hadamard_rotate(entries)
-        out_loc = tables.c4_out_loc if ratio == 4 else tables.c128_out_loc
-        store_entries(pool, layer_id, compressor.is_in_indexer, out_loc[closing], entries)
+    ring_rows_of = lambda req, pos: committed_state_rows(state_pool, ratio, req_to_token, full_to_swa,  # noqa: E731
+                                                         req, pos)
+    src, pos = source_rows(tables, rows, ratio, ring, kv_score, ring_rows_of)
+    kv, gate = gate_and_kv(src, pos, ratio, d, compressor.ape)
+    lens = tables.seq_lens_casual.to(torch.int64)
+    cos, sin = _rope_tables(compressor.freqs_cis, (lens - ratio).clamp_min(0))  # the block's start
+    entries = ops.pool_entries(kv, gate, _Norm(compressor.norm), cos, sin, apply_rope).float()
+    if compressor.rotate:
+        entries = hadamard_rotate(entries)
+    out_loc = tables.c4_out_loc if ratio == 4 else tables.c128_out_loc
+    closes = lens % ratio == 0
+    store_entries(pool, layer_id, compressor.is_in_indexer, torch.where(closes, out_loc, scratch.trash(ratio)), entries)
     ring[node_state_rows(state_pool, ratio, rows, out_cache_loc, full_to_swa)] = kv_score.to(ring.dtype)

@@ -58,6 +58,7 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
         hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
         disaggregation_mode=str(cfg.disaggregation_mode or "null"),
+        debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
     )
 
 
@@ -143,7 +144,7 @@ def around_finalize_accept_tree_path(original, batch, accept_index, accept_lens,
                             retrieve_next_token=spec.retrieve_next_token,
                             retrieve_next_sibling=spec.retrieve_next_sibling, out_cache_loc=batch.out_cache_loc,
                             accept_index=accept_index, accept_lens=accept_lens, scratch=pool.dsv4_tree_scratch,
-                            c128_ring=c128_ring_size(pool))
+                            c128_ring=c128_ring_size(pool), full_to_swa=pool.full_to_swa_index_mapping)
     return run_tree_commit(pool, plan, slot_moves)
 
 

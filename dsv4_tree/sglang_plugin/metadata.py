@@ -19,7 +19,7 @@ from ..errors import StateError
 from .branch_candidates import scratch_index_pages
 from .commit import check_no_pending_commit
 from .scratch import TreeScratch
-from .tables import TreeVerifyTables, build_tree_verify_tables, closing_rows, tree_c128_page_indices
+from .tables import TreeVerifyTables, build_tree_verify_tables, tree_c128_page_indices
 
 
 @dataclass
@@ -87,7 +87,6 @@ def tree_verify_metadata(backend, raw: dsv4.DSV4RawVerifyMetadata, retrieve_next
         retrieve_next_sibling=retrieve_next_sibling, swa_window=dsv4.SWA_WINDOW,
         scratch_start=scratch.start, scratch_per_request=scratch.per_request,
         page_index_aligned_size=dsv4.PAGE_INDEX_ALIGNED_SIZE)
-    tables = closing_rows(tables)  # once per verify: the compressor's closing rows on every layer
     core = tree_core_attn_metadata(backend, tables, raw.out_cache_loc, backend.MAX_SEQ_LEN_FOR_CAPTURE)
     indexer = backend.init_forward_metadata_indexer(core) if backend.has_c4 else None
     # Compressor plans (c4 / c128_compress_metadata) are per-branch writes: SGLang's

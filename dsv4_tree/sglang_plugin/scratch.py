@@ -33,6 +33,11 @@ class TreeScratch:
     def slots(self) -> int:
         return self.per_request * self.num_req_slots
 
+    def trash(self, ratio: int) -> int:
+        """One entry slot past the scratch slots: the compressor's fixed-shape call writes the
+        entries of rows that close no block here (nothing reads it)."""
+        return self.start[ratio] + self.slots
+
 
 def _entry_buffers(pool, ratio: int) -> list:
     """(owner object, attribute, page_size) of every buffer list addressed by c{ratio}_out_loc."""
@@ -80,7 +85,7 @@ def ensure_scratch(pool, per_request: int) -> TreeScratch:
         for owner, attr, ps in bufs:
             if start[m] % ps:
                 raise ConfigError(f"dsv4_tree: ratio-{m} pools with page sizes that do not divide {start[m]}")
-            need = -(-(start[m] + per_request * num_req_slots) // ps)
+            need = -(-(start[m] + per_request * num_req_slots + 1) // ps)  # + the trash slot
             grown = []
             for buf in getattr(owner, attr):
                 extra = need - buf.shape[0]

@@ -25,14 +25,14 @@ DP attention: SGLang pads a verify batch's requests, not its tree; the padding r
 rows (`pad_links_as_chains`), the rows SGLang's own verify gives them."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import StateError
-from ..serving.swa_table import tree_swa_page_indices
+from ..serving.swa_table import packed_tree_rows, tree_swa_page_indices
 from ..serving.tables import ancestors as packed_ancestors
+from ..serving.tables import append_branch, branch_entries
 
 
 def parents_from_retrieve(retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor) -> torch.Tensor:
@@ -78,16 +78,11 @@ def pad_links_as_chains(retrieve_next_token: torch.Tensor, retrieve_next_sibling
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
-    """parents [bs, N] -> depth [bs, N] int64 (root 0), log2(N) gathers."""
-    ptr = parents.clamp_min(0)
-    depth = (parents >= 0).to(torch.int64)
-    for _ in range(max(1, (parents.shape[-1] - 1).bit_length())):
-        depth = depth + depth.gather(-1, ptr)
-        ptr = ptr.gather(-1, ptr)
-    return depth
+    """parents [bs, N] -> depth [bs, N] int64 (root 0): the engine's ancestor table, counted."""
+    return (grid_ancestors(parents, parents.shape[1]) >= 0).sum(2) - 1
 
 
-def ancestors(parents: torch.Tensor, width: int) -> torch.Tensor:
+def grid_ancestors(parents: torch.Tensor, width: int) -> torch.Tensor:
     """parents [bs, N] (local node ids, -1 at roots) -> [bs, N, width] int64: column k = k-th
     ancestor (k = 0: the node), -1 above the root. The engine's packed-row doubling
     (`serving.tables.ancestors`) on the batch's nodes numbered b * N + i."""
@@ -133,37 +128,26 @@ def tree_entry_out_loc(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     return torch.where(closing, loc, torch.zeros_like(loc)).view(-1)
 
 
-def tree_branch_entries(entry_out_loc: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor,
-                        seq_lens: torch.Tensor, ratio: int) -> torch.Tensor:
-    """-> [bs*N, B] int64, B = ceil(N / m) + 1: row (b, i)'s entries of blocks closed on its own
-    path in this verify (blocks P // m, P // m + 1, ..., (P + d + 1) // m - 1, in block order),
-    as slots of `entry_out_loc` [bs*N]; -1 past the row's count. anc: `ancestors(parents, N)`."""
-    bs, n = depth.shape
-    width = -(-n // ratio) + 1
-    P = seq_lens.to(torch.int64).view(bs, 1, 1)
-    d = depth.unsqueeze(2)  # [bs, N, 1]
-    j = torch.arange(width, device=depth.device).view(1, 1, width)
-    block = P // ratio + j  # [bs, N, B]
-    close_depth = ratio * (block + 1) - 1 - P  # depth of the node closing that block
-    valid = close_depth <= d
-    up = (d - close_depth).clamp(0, n - 1)  # how far up the path the closing node sits
-    node = anc.gather(2, up)
-    flat = entry_out_loc.view(bs, n)
-    slot = flat.gather(1, node.clamp_min(0).view(bs, -1)).view(bs, n, width)
-    return torch.where(valid & (node >= 0), slot, torch.full_like(slot, -1)).view(bs * n, width)
+def tree_branch_entries(entry_out_loc: torch.Tensor, parents: torch.Tensor, seq_lens: torch.Tensor,
+                        ratio: int) -> tuple:
+    """-> (branch [bs*N, Kb] int64, count [bs*N]), Kb = (N - 1) // m + 1: row (b, i)'s entries of
+    blocks closed on its own path in this verify (blocks P // m, P // m + 1, ..., block order), as
+    slots of `entry_out_loc` [bs*N]; -1 past count. The engine's `branch_entries` on packed rows."""
+    bs, n = parents.shape
+    _, _, packed = packed_tree_rows(seq_lens, seq_lens, parents)
+    anc = packed_ancestors(packed, n)
+    P = seq_lens.to(torch.int64).repeat_interleave(n)
+    pos = P + (anc >= 0).sum(1) - 1
+    return branch_entries(anc, pos, P, torch.ones_like(pos, dtype=torch.bool), entry_out_loc, ratio)
 
 
 def tree_c128_page_indices(c128_page_indices: torch.Tensor, branch: torch.Tensor, seq_lens_casual: torch.Tensor,
                            committed_blocks: torch.Tensor) -> torch.Tensor:
     """SGLang's page-table C128 indices [T, K] (entries 0..L//128-1, -1 after) with the row's
-    branch entries [T, B] written over columns committed_blocks[t] .. L//128 - 1 (a new tensor)."""
-    t, k = c128_page_indices.shape
-    cols = torch.arange(k, device=branch.device).view(1, k)
-    rel = cols - committed_blocks.to(torch.int64).view(t, 1)  # column -> branch index
-    n_blocks = (seq_lens_casual.to(torch.int64) // 128).view(t, 1)
-    take = (rel >= 0) & (cols < n_blocks)
-    picked = branch.gather(1, rel.clamp(0, branch.shape[1] - 1)).to(c128_page_indices.dtype)
-    return torch.where(take, picked, c128_page_indices)
+    branch entries [T, B] written over columns committed_blocks[t] .. L//128 - 1 (a new tensor;
+    the engine's `append_branch`)."""
+    n_branch = seq_lens_casual.to(torch.int64) // 128 - committed_blocks.to(torch.int64)
+    return append_branch(c128_page_indices, committed_blocks, branch, n_branch)
 
 
 @dataclass(frozen=True)
@@ -181,20 +165,6 @@ class TreeVerifyTables:
     c4_committed: torch.Tensor  # [T] int32: P // 4, the committed C4 entries every row shares
     c128_committed: torch.Tensor  # [T] int32: P // 128
     ancestors: torch.Tensor  # [bs, N, N] int64: column k = the node's k-th ancestor, -1 above the root
-    # rows closing a C4 / C128 block ([E] int64, ascending): `closing_rows`, once per verify (one
-    # host read, for the sizes); None until set. The compressor reads them on every layer.
-    c4_closing: torch.Tensor | None = None
-    c128_closing: torch.Tensor | None = None
-
-
-def closing_rows(tables: TreeVerifyTables) -> TreeVerifyTables:
-    """`tables` with c4_closing / c128_closing set: the rows whose length closes a block. One host
-    read per verify (both counts at once); the per-layer compressor then reads no device value."""
-    lens = tables.seq_lens_casual.to(torch.int64)
-    masks = [lens % m == 0 for m in (4, 128)]
-    counts = torch.stack([m.sum() for m in masks]).tolist()  # the one host read
-    rows = [torch.argsort((~m).to(torch.int8), stable=True)[:k] for m, k in zip(masks, counts)]
-    return dataclasses.replace(tables, c4_closing=rows[0], c128_closing=rows[1])
 
 
 def build_tree_verify_tables(*, req_to_token: torch.Tensor, full_to_swa_index_mapping: torch.Tensor,
@@ -215,12 +185,12 @@ def build_tree_verify_tables(*, req_to_token: torch.Tensor, full_to_swa_index_ma
     lens, rows = tree_verify_lengths(seq_lens, req_pool_indices, depth)
     swa = tree_swa_page_indices(req_to_token, full_to_swa_index_mapping, req_pool_indices, seq_lens, parents,
                                 swa_window, page_index_aligned_size)
-    anc = ancestors(parents, n)
+    anc = grid_ancestors(parents, n)
     out, branch, committed = {}, {}, {}
     for m in (4, 128):
         out[m] = tree_entry_out_loc(req_to_token, req_pool_indices, seq_lens, depth, m, scratch_start[m],
                                     scratch_per_request)
-        branch[m] = tree_branch_entries(out[m], anc, depth, seq_lens, m)
+        branch[m] = tree_branch_entries(out[m], parents, seq_lens, m)[0]
         committed[m] = (seq_lens.to(torch.int32) // m).view(bs, 1).expand(bs, n).reshape(-1)
     return TreeVerifyTables(parents, depth, lens, rows, swa, out[4], out[128], branch[4], branch[128],
                             committed[4], committed[128], anc)

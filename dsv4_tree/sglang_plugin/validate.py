@@ -33,6 +33,7 @@ class TreeServeSettings:
     hisparse: bool = False  # --enable-hisparse: caches the C4 buffers' addresses before they grow
     hierarchical_cache: bool = False  # --enable-hierarchical-cache: host copies of the device buffers
     disaggregation_mode: str = "null"  # PD disaggregation registers the buffers' addresses
+    debug_cuda_graph: bool = False  # --debug-cuda-graph: SGLang's breakable graphs (a prep the tree backend lacks)
 
 
 def tree_requested(s: TreeServeSettings) -> bool:
@@ -53,8 +54,10 @@ def validate_tree_settings(s: TreeServeSettings) -> None:
     pool = candidate_pool_size(s.topk, max(s.num_steps, 1))
     checks = (
         (s.dsv4_attn_backend == "flashmla", f"--dsv4-attn-backend must be 'flashmla', got {s.dsv4_attn_backend!r}"),
-        (s.disable_cuda_graph, "--disable-cuda-graph is required (tree verify metadata is built eagerly; "
-                               "CUDA graph capture of tree verify is not supported)"),
+        (s.disable_cuda_graph or not s.debug_cuda_graph,
+         "--debug-cuda-graph is not supported (SGLang's breakable CUDA graphs re-plan the metadata through "
+         "prepare_forward_metadata_for_breakable_cuda_graph_replay, which the tree backend does not implement; "
+         "plain CUDA graphs and --disable-cuda-graph are)"),
         (s.attn_cp_size == 1, f"attention context parallelism is not supported (attn_cp_size={s.attn_cp_size}, must be 1)"),
         (s.dcp_size == 1, f"decode context parallelism is not supported (dcp_size={s.dcp_size}, must be 1)"),
         (not s.enable_prefill_cp, "--enable-prefill-cp is not supported"),

@@ -70,6 +70,8 @@ def main() -> None:
     v4, llama = dsv4_dir(root), llama_dir(root)
     out["v4_topk4"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_cuda_graph=True)
     out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    out["v4_topk4_debug_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                                           debug_cuda_graph=True)
     out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
                                    disable_cuda_graph=True)
     # a tree needing more candidates than topk x 1 step gives, and the largest that fits

@@ -139,7 +139,8 @@ def chain_round(pool, req_to_token, mapping, rid: int, p: int, path_inputs: Node
 def window_mask(pool, req_to_token, spans, scratch: bool = True) -> dict:
     """spans: [(req_pool_index, lo, hi)] -> buffer name -> flat bool mask of every element that
     belongs to positions lo..hi-1 of that request (SWA records, C4 state rows of their SWA slots,
-    C128 state rows, the entry homes of blocks closing there), plus (scratch) every scratch entry slot."""
+    C128 state rows, the entry homes of blocks closing there), the trash entry slot, plus (scratch)
+    every scratch entry slot."""
     bufs = all_buffers(pool)
     masks = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in bufs.items()}
     slots_of = pool.dsv4_tree_scratch
@@ -167,13 +168,16 @@ def window_mask(pool, req_to_token, spans, scratch: bool = True) -> dict:
                 mark(f"c{m}.{item.compress_layer_id}", lb.entries, homes)
                 if lb.index_keys is not None:
                     mark(f"index{m}.{item.compress_layer_id}", lb.index_keys, homes)
-        if lb.ratio and scratch:
+        if lb.ratio:
             m = lb.ratio
             item = pool.layer_mapping[layer]
+            # the trash slot (every verify's rows that close no block write it; nothing reads it), and
+            # with scratch, every scratch slot
+            first = slots_of.start[m] if scratch else slots_of.trash(m)
             for name, target in ((f"c{m}.{item.compress_layer_id}", lb.entries),
                                  (f"index{m}.{item.compress_layer_id}", lb.index_keys)):
                 if target is not None:
-                    mark(name, target, torch.arange(slots_of.start[m], target.capacity))
+                    mark(name, target, torch.arange(first, slots_of.trash(m) + 1))
     return masks
 
 

@@ -216,7 +216,8 @@ def test_draft_decode_refusals(no_flashmla_schedule):
     raw = be.init_forward_metadata_decode(0, rpi, seq_lens, torch.zeros(8, dtype=torch.int64))
     with pytest.raises(StateError, match="bs \\* topk \\* num_steps = 24 slots, got None"):
         be.make_forward_metadata_from_raw_decode(raw)
-    be._tree_draft_out_cache_loc = torch.zeros(24, dtype=torch.int64)
+    be._tree_draft_out_cache_loc = torch.zeros(24, dtype=torch.int64)  # the record keeps the multi-step slots
+    raw = be.init_forward_metadata_decode(0, rpi, seq_lens, torch.zeros(8, dtype=torch.int64))
     be.present_ratios = (4, 128)
     with pytest.raises(ConfigError, match=r"compressed ratios \(4, 128\)"):
         be.make_forward_metadata_from_raw_decode(raw)

@@ -56,7 +56,10 @@ def test_dsv4_topk4_passes_resolution(probes):
 
 def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
     on, _ = probes
-    assert on["v4_topk4_graphs"]["error"].startswith("ConfigError") and "--disable-cuda-graph" in on["v4_topk4_graphs"]["error"]
+    graphs = on["v4_topk4_graphs"]  # CUDA graphs: accepted (the tree backends implement SGLang's protocol)
+    assert graphs["ok"] and graphs["resolved"]["disable_cuda_graph"] == "False", graphs
+    debug = on["v4_topk4_debug_graphs"]["error"]  # SGLang's breakable graphs: refused by name
+    assert debug.startswith("ConfigError") and "--debug-cuda-graph" in debug, debug
     many = on["v4_topk4_many"]["error"]
     assert many.startswith("ConfigError") and "--speculative-num-draft-tokens" in many and "got 16" in many
     few = on["v4_topk2_one_step_n4"]  # SGLang's own resolution accepts it; the validator refuses it
@@ -94,7 +97,7 @@ def settings(**kw) -> TreeServeSettings:
 @pytest.mark.parametrize("change, named", [
     ({"dsv4_attn_backend": "trtllm"}, "--dsv4-attn-backend"),
     ({"dsv4_attn_backend": "flashmla_mega"}, "--dsv4-attn-backend"),
-    ({"disable_cuda_graph": False}, "--disable-cuda-graph"),
+    ({"disable_cuda_graph": False, "debug_cuda_graph": True}, "--debug-cuda-graph"),
     ({"attn_cp_size": 2}, "attn_cp_size"),
     ({"dcp_size": 2}, "dcp_size"),
     ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
@@ -218,16 +221,6 @@ def test_backend_init_sees_topk_1_and_keeps_the_real_spec(monkeypatch):
     assert dsv4.get_spec is real and dsv4.get_spec().speculative_eagle_topk == 4
 
 
-def test_cuda_graph_entry_points_refuse():
-    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend, TreeDeepseekV4MultiStepBackend
-
-    for cls in (TreeDeepseekV4AttnBackend, TreeDeepseekV4MultiStepBackend):
-        b = object.__new__(cls)
-        for name in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "replay_cuda_graph_metadata_from"):
-            with pytest.raises(ConfigError, match="--disable-cuda-graph"):
-                getattr(b, name)(1, 2)
-
-
 def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no_flashmla_schedule):
     """The tree backend's eager path: init_forward_metadata keeps the batch's tree for
     make_forward_metadata_from_raw_verify (SGLang's own call order), which builds tree rows;
@@ -239,6 +232,7 @@ def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no
 
     from dsv4_tree.errors import StateError
     from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
+    from dsv4_tree.sglang_plugin.graph import tree_raw_verify
     from dsv4_tree.sglang_plugin.metadata import TreeDSV4Metadata, tree_verify_metadata
     from sgl_cases import StandIn, layout, sglang_tree
 
@@ -248,27 +242,27 @@ def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no
     stand_in = StandIn(req_to_token, mapping, n)
     be = object.__new__(TreeDeepseekV4AttnBackend)
     be.__dict__.update(stand_in.__dict__)
-    be.topk, be._tree_spec_info = 4, None
+    be.topk, be._tree_links = 4, None
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     rpi = torch.tensor([1, 2], dtype=torch.int32)
     out_loc = torch.cat([req_to_token[r, p:p + n] for r, p in zip(rpi.tolist(), lens)]).to(torch.int64)
     _, rn, rs = sglang_tree(2, 4, 3, n, seq_lens, gen)
     raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
 
-    def sglang_init(self, forward_batch):  # what SGLang's eager init does for TARGET_VERIFY
-        self.forward_metadata = self.make_forward_metadata_from_raw_verify(raw)
+    def sglang_init(self, forward_batch):  # what SGLang's eager init does for TARGET_VERIFY (its raw record
+        # comes from init_forward_metadata_target_verify, which the tree backend gives the batch's tree)
+        self.forward_metadata = self.make_forward_metadata_from_raw_verify(tree_raw_verify(raw, self._tree_links))
 
     monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata", sglang_init)
     monkeypatch.setattr(dsv4, "_get_logical_forward_mode", lambda fb: fb.forward_mode)
     verify = SimpleNamespace(is_target_verify=lambda: True, is_decode=lambda: False)
-    batch = SimpleNamespace(forward_mode=verify, out_cache_loc=out_loc,
+    batch = SimpleNamespace(forward_mode=verify, out_cache_loc=out_loc, batch_size=2, seq_lens=seq_lens,
                             spec_info=SimpleNamespace(retrieve_next_token=rn, retrieve_next_sibling=rs))
     be.init_forward_metadata(batch)
-    assert be._tree_spec_info is None  # not kept past the call
+    assert be._tree_links is None  # not kept past the call
     got, want = be.forward_metadata, tree_verify_metadata(stand_in, raw, rn, rs)
     assert isinstance(got, TreeDSV4Metadata)
     for f in ("swa_page_indices", "seq_lens_casual", "c4_out_loc", "c128_page_indices"):
         assert torch.equal(getattr(got.core_attn_metadata, f), getattr(want.core_attn_metadata, f)), f
-    extend = SimpleNamespace(is_target_verify=lambda: False, is_decode=lambda: False)
     with pytest.raises(StateError, match="without the batch's tree"):
-        be.init_forward_metadata(SimpleNamespace(forward_mode=extend, spec_info=None, out_cache_loc=out_loc))
+        be.make_forward_metadata_from_raw_verify(raw)  # a record without the tree

@@ -45,11 +45,19 @@ def test_tree_rows_equal_their_paths_as_chains(no_flashmla_schedule, bs, topk, s
     raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc,
                                      extend_seq_lens=torch.full((bs,), n, dtype=torch.int32), total_verify_tokens=bs * n)
     ours = tree_verify_metadata(sb, raw, rn, rs)
+    assert torch.equal(ours.core_attn_metadata.positions_casual.to(torch.int64), positions)  # SGLang's own
+    assert_rows_are_paths(ours, req_to_token, mapping, rpi, lens[:bs], out_loc, n, chain_row)
+
+
+def assert_rows_are_paths(ours, req_to_token, mapping, rpi, lens, out_loc, n: int, chain_row: int) -> None:
+    """Every real row of tree metadata `ours` (requests rpi at P = lens, N nodes) equals SGLang's
+    linear metadata of its root-to-node path laid out as a chain on row `chain_row`."""
+    bs = len(lens)
     core, tree = ours.core_attn_metadata, ours.tree
-    assert torch.equal(core.positions_casual.to(torch.int64), positions)  # SGLang's own tree positions
+    out_loc = out_loc.to(torch.int64)
     for m, out, branch in ((4, core.c4_out_loc, tree.c4_branch), (128, core.c128_out_loc, tree.c128_branch)):
-        closing = (core.seq_lens_casual % m == 0)
-        written = out[closing]
+        closing = (core.seq_lens_casual[:bs * n] % m == 0)  # real rows (padding rows all write slot 0)
+        written = out[:bs * n][closing]
         assert written.unique().numel() == written.numel(), f"two closing rows share a C{m} slot"
     for b in range(bs):
         P, rid = lens[b], int(rpi[b])
