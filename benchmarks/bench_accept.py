@@ -61,6 +61,8 @@ class Run(NamedTuple):
     verify_seconds: float
     depth: object = None  # the adaptive policy's DepthState after the run (None: fixed depth)
     lengths: tuple = ()  # tokens emitted per round (accepted drafts + bonus), every round of every prompt
+    mechanism: dict | None = None  # DSpark trees: `mechanism` of the run
+    sizes: tuple = ()  # DSpark trees: nodes drafted per round
 
 
 def single_cases(budgets, depth_sweep: bool = False) -> list:
@@ -86,6 +88,97 @@ def dspark_cases(gamma: int) -> list:
             ("chain MTP N=4", "mtp", 1, 3, 4, "fixed"),
             (f"chain MTP N={gamma + 1}", "mtp", 1, gamma, gamma + 1, "fixed"),
             ("tree MTP N=8 topk 4", "mtp", 4, TREE_STEPS[8][1], 8, "fixed")]
+
+
+# MTP topk-4 tree steps at the DSpark comparison's widths (6 and 12 beside TREE_STEPS' 8 and 16)
+MTP_TREE_STEPS = {6: 2, 8: TREE_STEPS[8][1], 12: 3, 16: TREE_STEPS[16][1]}
+
+
+def dspark_tree_cases(gamma: int, budgets) -> list:
+    """DSpark trees at equal verify widths N: its chain (N = gamma + 1 only), the Markov tree and
+    the DDTree-style tree (branching without the Markov bias off the spine) at topk 2 and 4, the
+    MTP topk-4 tree, and the size policy over the widest Markov tree."""
+    cases = [(f"chain DSpark N={gamma + 1}", "dspark", 1, gamma, gamma + 1, "fixed")]
+    for n in budgets:
+        for k in (2, 4):
+            if n - 1 <= k + (gamma - 1) * k * k:
+                cases += [(f"tree DSpark N={n} topk {k}", "dspark", k, gamma, n, "fixed"),
+                          (f"DDTree-style N={n} topk {k}", "dspark-base", k, gamma, n, "fixed")]
+        cases.append((f"tree MTP N={n} topk 4", "mtp", 4, MTP_TREE_STEPS[n], n, "fixed"))
+    top = max(budgets)
+    cases.append((f"DSpark size policy, N<={top} topk 4", "dspark", 4, gamma, top, "adaptive"))
+    return cases
+
+
+def mechanism(logs, prompts, outputs) -> dict:
+    """Where a tree's branches pay, from whole runs: each draft's tree against the tokens greedy
+    actually produced at its positions. logs: per prompt [(seq_len at the draft, DraftTree)].
+    spine = the root's first child, its first child, ... (the chain's argmax path); at the first
+    depth whose spine token is not the target's: is a sibling the target's token; after an
+    accepted sibling: does it hold the target's next token among its children (+1), and that
+    child the one after (+2)."""
+    events = dict(mismatches=0, sibling_hits=0, plus1_tries=0, plus1_hits=0, plus2_tries=0, plus2_hits=0)
+    for log, prompt, out in zip(logs, prompts, outputs):
+        full = list(prompt) + list(out)
+        for p, tree in log:
+            kids = {u: tree.children(u) for u in range(tree.num_nodes)}
+            tok = tree.tokens.tolist()
+            node, d = 0, 1
+            while kids[node] and p + d < len(full):
+                spine = kids[node][0]
+                if tok[spine] == full[p + d]:
+                    node, d = spine, d + 1
+                    continue
+                events["mismatches"] += 1
+                hit = [c for c in kids[node] if tok[c] == full[p + d]]
+                if hit:
+                    events["sibling_hits"] += 1
+                    x = hit[0]
+                    for step in ("plus1", "plus2"):
+                        d += 1
+                        if not kids[x] or p + d >= len(full):
+                            break
+                        events[f"{step}_tries"] += 1
+                        nxt = [c for c in kids[x] if tok[c] == full[p + d]]
+                        if not nxt:
+                            break
+                        events[f"{step}_hits"] += 1
+                        x = nxt[0]
+                break
+    rate = lambda a, b: events[a] / events[b] if events[b] else None  # noqa: E731
+    return dict(events, sibling_hit_rate=rate("sibling_hits", "mismatches"), plus1_rate=rate("plus1_hits", "plus1_tries"),
+                plus2_rate=rate("plus2_hits", "plus2_tries"))
+
+
+def run_dspark(model, prompts, new_tokens, eos, kind, topk, steps, nodes, depth="fixed"):
+    """run_single for a hand-built DSpark drafter ("dspark-base": the DDTree-style branching),
+    logging every draft's tree for `mechanism` and the tree sizes drafted."""
+    from dsv4_tree.drafters.dspark import DSparkDrafter
+
+    spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth)
+    eng = dt.Engine(model, spec)
+    drafter = DSparkDrafter(model, dt.drafters.TreeShape.from_spec(spec),
+                            branching="base" if kind == "dspark-base" else "markov")
+    logs, results = [], []
+    real = drafter.draft
+
+    def draft(engine, requests):
+        trees = real(engine, requests)
+        logs[-1].extend((r.seq_len, t) for r, t in zip(requests, trees))
+        return trees
+
+    drafter.draft = draft
+    for p in prompts:
+        logs.append([])
+        results.append(eng.generate(p, new_tokens, drafter=drafter, eos_token_id=eos, progress=False))
+    st = [r.stats for r in results]
+    rounds = sum(x.rounds for x in st)
+    outs = [r.tokens for r in results]
+    return Run(outs, rounds, rounds, [None] * rounds, None, sum(sum(x.round_draft_seconds) for x in st),
+               sum(sum(x.round_verify_seconds) for x in st), st[-1].depth,
+               tuple(n for x in st for n in x.accept_lengths),
+               mechanism(logs, prompts, outs) if topk > 1 else None,
+               tuple(t.num_nodes for log in logs for _, t in log))
 
 
 def acceptance_by_depth(lengths, depth: int) -> list:
@@ -160,7 +253,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1,4,16", help="generate_batch prompt counts ('' = none)")
     ap.add_argument("--depth-sweep", action="store_true", help="also the preset tree at fixed depths 1 to 4")
-    ap.add_argument("--budgets", default="4,8,16", help="verify rows per round N")
+    ap.add_argument("--budgets", default=None, help="verify rows per round N (default 4,8,16; 6,8,12,16 with "
+                    "--dspark-trees)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's choice)")
     ap.add_argument("--batch-new-tokens", type=int, default=None, help="new tokens per generate_batch prompt "
                     "(default: --new-tokens)")
@@ -171,6 +265,9 @@ def main(argv=None):
                     help="the model's dtype (default: the checkpoint's, fp32)")
     ap.add_argument("--dspark", action="store_true", help="the DSpark comparison instead of the default cases: DSpark "
                     "chain, MTP chains at N = 4 and gamma + 1, MTP tree N = 8 (per-depth acceptance too)")
+    ap.add_argument("--dspark-trees", action="store_true", help="DSpark trees instead of the default cases: at "
+                    "each --budgets width (default 6,8,12,16) the DSpark chain (N = gamma + 1), Markov and DDTree-style "
+                    "trees at topk 2 and 4, the MTP tree, and the size policy; with the branching mechanism's counts")
     ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
                     "per single-request case)")
     args = ap.parse_args(argv)
@@ -181,7 +278,7 @@ def main(argv=None):
     n_prompts, new = (1, 48) if args.quick else (args.prompts, args.new_tokens)
     batch_new = 32 if args.quick else (args.batch_new_tokens or new)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    budgets = [int(x) for x in args.budgets.split(",")]
+    budgets = [int(x) for x in (args.budgets or ("6,8,12,16" if args.dspark_trees else "4,8,16")).split(",")]
     model = dt.load_model(dt.trained_checkpoint(), device=args.device,
                           dtype=None if args.dtype is None else getattr(torch, args.dtype))
     eos = model.hf.generation_config.eos_token_id
@@ -219,7 +316,11 @@ def main(argv=None):
             rec["ops_per_token"], rec["ops_run_steps"] = count_ops(*job)
         if run is not None and run.lengths:
             rec["acceptance_by_depth"] = acceptance_by_depth(run.lengths, max(run.lengths) - 1)
-        if run is not None and run.depth is not None:
+        if run is not None and run.mechanism is not None:
+            rec["mechanism"] = run.mechanism
+        if run is not None and run.sizes:
+            rec["nodes_per_round"] = {str(n): run.sizes.count(n) for n in sorted(set(run.sizes))}  # JSON keys
+        if run is not None and run.depth is not None and hasattr(run.depth, "step_seconds"):
             rec["calibration"] = list(run.depth.calibration)
             rec["step_ms"] = {b: 1e3 * s for b, s in run.depth.step_seconds.items()}
             policies.append((label, rec))
@@ -236,12 +337,16 @@ def main(argv=None):
         from dsv4_tree.checkpoint.dspark_names import load_dspark
 
         cases, sizes = dspark_cases(load_dspark(model).block_size), []
+    elif args.dspark_trees:
+        from dsv4_tree.checkpoint.dspark_names import load_dspark
+
+        cases, sizes = dspark_tree_cases(load_dspark(model).block_size, budgets), []
     else:
         cases = single_cases(budgets, args.depth_sweep)
     batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes, default=0))]
     jobs = [(hf_generate, (model, prompts, new))]
-    jobs += [(run_single, (model, prompts, new, eos, kind, topk, steps, nodes, depth))
-             for _, kind, topk, steps, nodes, depth in cases]
+    jobs += [(run_dspark if kind.startswith("dspark") and topk > 1 else run_single,
+              (model, prompts, new, eos, kind, topk, steps, nodes, depth)) for _, kind, topk, steps, nodes, depth in cases]
     if sizes:
         jobs += [(hf_generate, (model, batch_prompts[: sizes[0]], batch_new))]
         jobs += [(run_batch, (model, batch_prompts[:size], batch_new, eos, *PRESET)) for size in sizes]
@@ -262,6 +367,15 @@ def main(argv=None):
         if rec.get("acceptance_by_depth"):
             print(f"acceptance by depth, {rec['case']}: "
                   + " ".join("-" if a is None else f"{a:.3f}" for a in rec["acceptance_by_depth"]))
+    for rec in records:
+        m = rec.get("mechanism")
+        if m:
+            pct = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            print(f"mechanism, {rec['case']}: first spine mismatches {m['mismatches']}, sibling is the target's "
+                  f"{pct(m['sibling_hit_rate'])}; after an accepted sibling +1 {pct(m['plus1_rate'])} "
+                  f"({m['plus1_tries']}), +2 {pct(m['plus2_rate'])} ({m['plus2_tries']})")
+        if rec.get("nodes_per_round") and "policy" in rec["case"]:
+            print(f"size policy, {rec['case']}: rounds per node count {rec['nodes_per_round']}")
     for label, rec in policies:  # the adaptive policy's state at the end of each adaptive case's fastest run
         steps = " ".join(f"b{b} {ms:.2f}" for b, ms in rec["step_ms"].items())
         line = f"policy, {label}: calibration by depth {' '.join(f'{c:.2f}' for c in rec['calibration'])}; step ms {steps}"

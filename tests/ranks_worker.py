@@ -144,6 +144,32 @@ def adaptive_depth(sharded, plain, rank: int, p: list) -> dict:
             "adaptive_plain": dt.Engine(plain, SPEC).generate(p, NEW_TOKENS, drafter="mtp").tokens}
 
 
+def dspark_size(sharded, plain, rank: int, p: list) -> dict:
+    """The DSpark tree size policy on ranks whose cost lines disagree: rank 1's says every node
+    costs a thousand rounds (alone it would draft the root only), rank 0's that nodes are free.
+    Rank 0 decides, so both draft rank 0's sizes and the same trees."""
+    from dsv4_tree.drafters.base import TreeShape
+    from dsv4_tree.drafters.dspark import DSparkDrafter
+    from dsv4_tree.drafters.size_policy import CostLine
+
+    spec = dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=8)
+    drafter = DSparkDrafter(sharded, TreeShape.from_spec(spec), size="adaptive")
+    line = drafter.policy.costs.setdefault(1, CostLine())
+    for n in (8, 4) * 50:  # enough samples that the rounds run here do not move the line far
+        line.add(n, 1.0 + (0.0 if rank == 0 else 1e3) * n)
+    sizes, real = [], drafter.draft
+
+    def draft(engine, requests):
+        trees = real(engine, requests)
+        sizes.append(trees[0].num_nodes)
+        return trees
+
+    drafter.draft = draft
+    out = dt.Engine(sharded, spec).generate(p, NEW_TOKENS, drafter=drafter)
+    return {"dspark_tokens": out.tokens, "dspark_sizes": sizes,
+            "dspark_plain": dt.Engine(plain, spec).generate(p, NEW_TOKENS, drafter="dspark").tokens}
+
+
 def hf_custom_generate(sharded, plain, rank: int, p: list) -> dict:
     """transformers' generate on the sharded model with custom_generate=dt.custom_generate.
     Sampling: each rank draws from its own global RNG (seeded differently); rank 0's draws
@@ -214,6 +240,7 @@ def main(out_dir: str, hf_dir: str, release_dir: str, trained_dir: str) -> None:
             res.update(generation(gen, plain[trained_dir], rank, p))
             if name == "tp":
                 res.update(adaptive_depth(gen, plain[trained_dir], rank, p))
+                res.update(dspark_size(gen, plain[trained_dir], rank, p))
                 res.update(hf_custom_generate(gen, plain[trained_dir], rank, p))
         else:
             res.update(generation(sharded, plain[path], rank, prompt(30, seed=3).tolist()))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from child_blocker import blocker_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +146,35 @@ def test_bench_accept_counts_ops_per_token(capsys):
     with OpCounter() as ops:
         run = bench.run_single(model, [heldout_prompt(64, 0)], 6, eos, "mtp", 1, 3, 4, "fixed")
     assert cases["chain MTP N=4"]["ops_per_token"] == ops.total / len(run.tokens[0])
+
+
+def test_bench_accept_dspark_trees_small_run_matches_hf_and_counts_the_mechanism(capsys):
+    bench = _bench_accept()
+    bench.main(["--dspark-trees", "--prompts", "1", "--prompt-len", "64", "--new-tokens", "12", "--budgets", "6",
+                "--repeats", "1"])
+    text = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(text[-1])
+    cases = {r["case"]: r for r in out["records"]}
+    assert {"chain DSpark N=6", "tree DSpark N=6 topk 2", "DDTree-style N=6 topk 4", "tree MTP N=6 topk 4",
+            "DSpark size policy, N<=6 topk 4"} <= set(cases)
+    assert all(r["output_equals_hf"] for r in out["records"]), out["records"]
+    tree = cases["tree DSpark N=6 topk 2"]
+    assert set(tree["nodes_per_round"]) == {"6"}  # fixed size: every round drafts all 6 nodes
+    assert tree["mechanism"]["sibling_hits"] <= tree["mechanism"]["mismatches"]
+    assert any(line.startswith("mechanism, tree DSpark N=6 topk 2:") for line in text)
+    assert max(int(n) for n in cases["DSpark size policy, N<=6 topk 4"]["nodes_per_round"]) <= 6
+
+
+def test_bench_accept_mechanism_counts_siblings_and_continuations():
+    import dsv4_tree as dt
+
+    bench = _bench_accept()
+    # root 9 at position 3; spine 1 -> 2; sibling 5 (under the root) with child 6 -> 7
+    tree = dt.DraftTree(torch.tensor([9, 1, 5, 2, 6, 7]), torch.tensor([-1, 0, 0, 1, 2, 4]))
+    prompt = [0, 0, 0]
+    hit = bench.mechanism([[(3, tree)]], [prompt], [[9, 5, 6, 8]])  # sibling right, +1 right, +2 wrong
+    assert (hit["mismatches"], hit["sibling_hits"], hit["plus1_hits"], hit["plus2_tries"], hit["plus2_hits"]) == (1, 1, 1, 1, 0)
+    spine = bench.mechanism([[(3, tree)]], [prompt], [[9, 1, 2, 4]])  # the spine right to its leaf: no mismatch
+    assert spine["mismatches"] == 0 and spine["sibling_hit_rate"] is None
+    miss = bench.mechanism([[(3, tree)]], [prompt], [[9, 1, 3]])  # wrong at depth 2, no sibling there
+    assert (miss["mismatches"], miss["sibling_hits"]) == (1, 0)

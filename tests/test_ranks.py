@@ -112,6 +112,14 @@ def test_adaptive_depth_is_rank_0s_choice(ranks):
     assert r0["adaptive_tokens"] == r1["adaptive_tokens"] == r0["adaptive_plain"]
 
 
+def test_dspark_tree_size_is_rank_0s_choice(ranks):
+    """Rank 1's cost line would cut every tree to its root; both ranks draft rank 0's full trees,
+    and greedy output equals the unsharded model's."""
+    r0, r1 = ranks[0]["tp"], ranks[1]["tp"]
+    assert r0["dspark_sizes"] == r1["dspark_sizes"] and min(r0["dspark_sizes"]) == 8
+    assert r0["dspark_tokens"] == r1["dspark_tokens"] == r0["dspark_plain"]
+
+
 def test_custom_generate_acceptance_is_rank_0s(ranks):
     """custom_generate on a sharded model: sampled rows identical on both ranks (their global
     RNGs differ), greedy with a length processor identical too although rank 1 asked for a
