@@ -40,8 +40,22 @@ class no_host_data(TorchDispatchMode):
 
 @contextlib.contextmanager
 def captured():
-    with forbid_host_sync(), no_host_data():
-        yield
+    """The rules of a captured region: no host read (`forbid_host_sync`, plus `Tensor.tolist` /
+    `.numpy`, which read a CPU tensor's memory without dispatching an op), no host data."""
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            raise StateError(f"host read inside a captured region: Tensor.{name}()")
+        return read
+
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, refuse(name))
+        with forbid_host_sync(), no_host_data():
+            yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
 
 
 class NoOnlineC128:

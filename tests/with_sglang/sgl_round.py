@@ -66,10 +66,10 @@ class Case:
         self.comps = compressors(torch.Generator().manual_seed(gen.initial_seed() + 1))
 
 
-def verify_writes(pool, req_to_token, mapping, rpi, seq_lens, rn, rs, inputs: NodeInputs, comps, ops):
-    """A tree verify's writes: metadata (tree_verify_metadata), every node's SWA record through
-    the pool's setter, every compressor through the tree backend. -> (out_cache_loc [bs*N], the
-    verify's TreeDSV4Metadata)."""
+def verify_writes(pool, req_to_token, mapping, rpi, seq_lens, rn, rs, inputs: NodeInputs, comps, ops, meta=None):
+    """A tree verify's writes: metadata (tree_verify_metadata, or `meta` when given: the replayed
+    one), every node's SWA record through the pool's setter, every compressor through the tree
+    backend. -> (out_cache_loc [bs*N], the verify's TreeDSV4Metadata)."""
     bs, n = rn.shape
     out_loc = torch.cat([req_to_token[r, p:p + n] for r, p in zip(rpi.tolist(), seq_lens.tolist())]).to(torch.int64)
     sb = StandIn(req_to_token, mapping, n)
@@ -77,7 +77,7 @@ def verify_writes(pool, req_to_token, mapping, rpi, seq_lens, rn, rs, inputs: No
     raw = dsv4.DSV4RawVerifyMetadata(req_pool_indices=rpi, seq_lens=seq_lens, out_cache_loc=out_loc)
     backend = object.__new__(TreeDeepseekV4AttnBackend)
     backend.token_to_kv_pool, backend.req_to_token, backend._tree_ops = pool, req_to_token, ops
-    backend.forward_metadata = tree_verify_metadata(sb, raw, rn, rs)
+    backend.forward_metadata = tree_verify_metadata(sb, raw, rn, rs) if meta is None else meta
     swa_loc = pool.translate_loc_from_full_to_swa(out_loc)
     for layer in range(len(LAYER_RATIOS)):
         pool.set_swa_key_buffer(layer, swa_loc, swa_pack(inputs.swa))

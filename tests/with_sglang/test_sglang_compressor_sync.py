@@ -18,6 +18,7 @@ from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
 from dsv4_tree.sglang_plugin.metadata import tree_verify_metadata
 from plugin_probe import dsv4_dir
 from sgl_cases import StandIn, sglang_tree
+from sgl_graph import captured
 from sgl_pool import published_context, snapshot
 from sgl_round import VERIFY, Case, NodeInputs, differing
 
@@ -52,7 +53,7 @@ def test_compressor_calls_make_no_host_read(context, no_flashmla_schedule):
     rpi, seq_lens = torch.tensor([2, 1], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     _, rn, rs = sglang_tree(2, 3, 3, n, seq_lens, gen)
     inputs = NodeInputs.draw(2 * n, case.comps, gen)
-    tables = compressor_pass(case, case.tree_pool, rpi, seq_lens, rn, rs, inputs, forbid_host_sync)
+    tables = compressor_pass(case, case.tree_pool, rpi, seq_lens, rn, rs, inputs, captured)
     lens = tables.seq_lens_casual
     assert bool((lens % 4 == 0).any()) and bool((lens % 128 == 0).any())  # both ratios wrote entries
     compressor_pass(case, case.chain_pool, rpi, seq_lens, rn, rs, inputs, contextlib.nullcontext)

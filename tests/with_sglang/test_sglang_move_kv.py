@@ -153,3 +153,52 @@ def test_sglang_duplicate_prefix_tail_on_the_draft_pool(context):
                 touched[f"swa.{i}"][lb.swa.element_index(swa_t).view(-1)] = True
     assert any(m.any() for m in touched.values())
     assert differing(snapshot(pool), before, touched) == {}
+
+
+def test_inside_a_commit_it_reads_nothing_on_the_host(context):
+    """SGLang's commit moves (its zero padding, a root's self-move) inside the commit: fixed shape,
+    no host read (the hook checked the window's slots), the same bytes as the moves alone."""
+    from sgl_graph import captured
+
+    gen = torch.Generator().manual_seed(59)
+    case = Case([40, 300], gen, 8)
+    r2t = case.req_to_token
+    src, tgt = r2t[1, 36:40].to(torch.int64), r2t[2, 296:300].to(torch.int64)
+    root = r2t[2, 300:301].to(torch.int64)
+    zeros = torch.zeros(3, dtype=torch.int64)
+    results = []
+    for pool, pairs in ((case.tree_pool, (torch.cat([root, tgt, zeros]), torch.cat([root, src, zeros]))),
+                        (case.chain_pool, (tgt, src))):
+        pool.dsv4_tree_commit_log = UndoLog()
+        try:
+            if pool is case.tree_pool:
+                with captured():
+                    pool.move_kv_cache(*pairs)
+            else:
+                pool.dsv4_tree_commit_log = None
+                check = commit_mod.check_move_allowed
+                commit_mod.check_move_allowed = lambda p: None  # the plain path on a pool with compressed layers
+                try:
+                    pool.move_kv_cache(*pairs)
+                finally:
+                    commit_mod.check_move_allowed = check
+        finally:
+            pool.dsv4_tree_commit_log = None
+        results.append(snapshot(pool))
+    assert differing(results[0], results[1], unchanged(results[0])) == {}
+
+
+def test_the_commit_checks_the_window_slots_before_writing(context, no_flashmla_schedule):
+    from sgl_round import commit, greedy_accept, random_targets, tree_ready
+
+    gen = torch.Generator().manual_seed(61)
+    lens, n = [40, 300], 8
+    case = Case(lens, gen, n)
+    rpi = torch.tensor([1, 2], dtype=torch.int32)
+    seq_lens, rn, rs, out_loc, accept_index, accept_lens, _ = tree_ready(case, gen, lens, rpi, n)
+    before = snapshot(case.tree_pool)
+    bad = out_loc.clone()
+    bad[3] = case.tree_pool.full_to_swa_index_mapping.shape[0]  # past the last full slot
+    with pytest.raises(StateError, match="out_cache_loc must name full slots"):
+        commit(case.tree_pool, rpi, seq_lens, rn, rs, bad, accept_index, accept_lens)
+    assert differing(snapshot(case.tree_pool), before, unchanged(before)) == {}
