@@ -7,6 +7,7 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_topk           <-> ref_indexer_topk           (kernels/tree_indexer.py; reference in reference/indexer_topk.py)
+  hc_pre / hc_post       <-> ref_hc_pre / ref_hc_post   (kernels/hc.py; reference in reference/hc.py)
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
@@ -17,6 +18,8 @@ would make `import transformers` pay for Triton, or fail where Triton is not ins
 import importlib
 
 _MODULE_OF = {
+    "hc_post": "hc",
+    "hc_pre": "hc",
     "indexer_gather_scores": "indexer_gather",
     "indexer_paged_scores": "indexer_gather",
     "indexer_topk": "tree_indexer",

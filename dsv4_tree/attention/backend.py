@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ConfigError
+from ..numerics import hc
 from . import torch_ops
 
 
@@ -18,6 +19,8 @@ class AttentionOps:
     indexer_paged_scores: Callable  # torch_ops.indexer_paged_scores (each request's committed keys)
     sparse_decode: Callable  # torch_ops.sparse_decode
     indexer_topk: Callable  # torch_ops.indexer_topk (scores of both kinds + the tie rule's top-k as slots)
+    hc_pre: Callable = hc.hc_pre  # an mHC block's pre side + the block's input norm (numerics/hc.py)
+    hc_post: Callable = hc.hc_merge  # an mHC block's post side: the merge into the streams
 
 
 TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores,
@@ -32,7 +35,8 @@ def get_backend(name: str) -> AttentionOps:
             from .. import kernels
 
             return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores,
-                                kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk)
+                                kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk,
+                                hc_post=kernels.hc_post)  # kernels.hc_pre: design_notes/fewer-ops.md
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

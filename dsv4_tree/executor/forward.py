@@ -7,7 +7,7 @@ import torch
 
 from ..attention.layer import RowRope, attention_rows
 from ..serving.tables import VerifyPlan
-from ..numerics.hc import hc_head, hc_merge, hc_weights
+from ..numerics.hc import hc_head
 from ..numerics.moe import moe_rows
 from ..numerics.norms import rms_norm
 from ..numerics.rope import apply_rope, rope_pairs
@@ -37,13 +37,12 @@ def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
 
 def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, ids):
     """One DeepseekV4DecoderLayer (mHC, attention, MoE) over packed rows. h [1, T, hc, hidden]."""
-    post, comb, collapsed = hc_weights(layer.attn_hc, h)
-    attn_out, ties = attention_rows(layer.self_attn, rms_norm(layer.input_layernorm, collapsed), plan, pools, rope, ops,
-                                    apply_rope)
-    h = hc_merge(post, comb, attn_out, h)
-    post, comb, collapsed = hc_weights(layer.ffn_hc, h)
-    mlp_out = moe_rows(layer.mlp, rms_norm(layer.post_attention_layernorm, collapsed), ids)
-    return hc_merge(post, comb, mlp_out, h), ties
+    post, comb, x = ops.hc_pre(layer.attn_hc, h, layer.input_layernorm)
+    attn_out, ties = attention_rows(layer.self_attn, x, plan, pools, rope, ops, apply_rope)
+    h = ops.hc_post(post, comb, attn_out, h)
+    post, comb, x = ops.hc_pre(layer.ffn_hc, h, layer.post_attention_layernorm)
+    mlp_out = moe_rows(layer.mlp, x, ids)
+    return ops.hc_post(post, comb, mlp_out, h), ties
 
 
 @torch.inference_mode()

@@ -12,7 +12,8 @@ cost. `hc_weights` computes the same numbers (same formulas, same order, fp32):
   (float32 sums and divisions like torch's; no device read: the data already lives there);
   elsewhere the torch loop (`sinkhorn_torch`, also the reference the tests compare against).
 
-`hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
+`hc_pre` is `hc_weights` followed by the block's input norm (the backend's mHC pre side; the
+Triton backend fuses both into one kernel, kernels/hc.py). `hc_collapse` is the pre weights and the collapsed stream alone (no comb), for callers that use
 only the block input (`MtpDrafter.sync`'s draft-extend rows; a draft folds the extend into its
 step 0, which needs comb for its root rows); `hc_merge` folds a block's output
 back into the streams; `hc_head` is the final collapse (transformers' DeepseekV4HyperHead) with
@@ -87,6 +88,13 @@ def hc_weights(module, streams: torch.Tensor):
     comb = torch.softmax(z[..., 2 * hc :].view(b, s, hc, hc), dim=-1) + module.hc_eps
     comb = sinkhorn(comb, module.hc_sinkhorn_iters, module.hc_eps)
     return post, comb, _collapse(pre, streams)
+
+
+def hc_pre(module, streams: torch.Tensor, norm):
+    """A block's pre side: hc_weights, then the block's input norm over the collapsed input ->
+    (post, comb, norm(collapsed) [B, S, d]). The torch backend's; kernels/hc.py fuses it."""
+    post, comb, collapsed = hc_weights(module, streams)
+    return post, comb, rms_norm(norm, collapsed)
 
 
 def hc_collapse(module, streams: torch.Tensor) -> torch.Tensor:
