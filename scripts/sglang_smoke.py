@@ -1,28 +1,29 @@
 #!/usr/bin/env python3
 """One-request smoke test of the dsv4_tree SGLang plug-in on a GPU machine.
 
-Runs the same greedy request through SGLang 0.5.23 twice on a DeepSeek-V4 checkpoint: once
-with EAGLE topk 1 (SGLang's own chain path, the baseline) and once with EAGLE topk K > 1 (the
-plug-in's tree path), and checks that the generated token ids are identical. Exit status: 0
-identical, 1 the outputs differ, 2 a launch or request failed (or bad arguments), 3 they
-differ first at a near tie: the topk 1 run's two best tokens there lie within NEAR_TIE nats.
-Both runs are exact greedy decoders, but in bf16 they verify through kernels of different
-shapes (4 rows against 8), whose roundings can swap two tokens whose logits are that close;
-3 says to retry with another prompt rather than that the tree path is wrong.
+Runs the same greedy request through SGLang 0.5.23 three times on a DeepSeek-V4 checkpoint:
+EAGLE topk 1 with CUDA graphs (SGLang's own chain path, the baseline), EAGLE topk K > 1 with
+CUDA graphs (the plug-in's tree path, graphed), and EAGLE topk K eagerly (`--disable-cuda-graph`),
+and checks that the generated token ids are identical. Exit status: 0 identical, 1 the outputs
+differ, 2 a launch or request failed (or bad arguments), 3 they differ first at a near tie: the
+baseline's two best tokens there lie within NEAR_TIE nats. All runs are exact greedy decoders, but
+in bf16 they verify through kernels of different shapes (4 rows against 8), whose roundings can
+swap two tokens whose logits are that close; 3 says to retry with another prompt rather than that
+the tree path is wrong.
 
 Each configuration runs SGLang's offline engine (`sglang.Engine`, no HTTP server or port) in
 a fresh Python process of its own, started by this script: SGLang applies plug-ins once per
-process, and a process exit is the one sure way to hand all GPU memory back before the
-second launch. Both launches use the same arguments except the speculative ones, including
-`--disable-cuda-graph` (the tree path is eager only), so the baseline differs in topk alone.
+process, and a process exit is the one sure way to hand all GPU memory back before the next
+launch. The launches use the same arguments except the speculative ones and, for the last,
+`--disable-cuda-graph`.
 
     python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8
     python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8 --dry-run
 
-`--dry-run` prints both launches (command line, environment, engine arguments) and resolves
+`--dry-run` prints the launches (command line, environment, engine arguments) and resolves
 their server arguments through SGLang's own pipeline with the plug-in loaded, which runs the
 plug-in's validator, without loading weights or needing a GPU (use `--device cpu` where
-there is none); it exits non-zero if either is refused."""
+there is none); it exits non-zero if any is refused."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 RESULT = "SMOKE_RESULT "
+LAUNCHES = 3
 # nats between the best two tokens below which a bf16 run's argmax may swap: bf16 keeps 8
 # significant bits, so a logit of magnitude ~10-30 carries a rounding of ~0.04-0.1 per value
 NEAR_TIE = 0.1
@@ -66,15 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launches(a: argparse.Namespace) -> list[dict]:
-    """The two launches: name, sglang.Engine keyword arguments, environment additions."""
+    """The three launches: name, sglang.Engine keyword arguments, environment additions."""
     common = dict(model_path=a.model_path, tp_size=a.tp, device=a.device, speculative_algorithm="EAGLE",
-                  speculative_num_steps=a.num_steps, dsv4_attn_backend="flashmla", disable_cuda_graph=True,
+                  speculative_num_steps=a.num_steps, dsv4_attn_backend="flashmla", disable_cuda_graph=False,
                   random_seed=0)
     env = {"SGLANG_PLUGINS": "dsv4_tree"}  # SGLang's plug-in whitelist: this plug-in only
     chain = dict(common, speculative_eagle_topk=1, speculative_num_draft_tokens=a.num_steps + 1)
     tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens)
-    return [{"name": "topk 1 (SGLang's chain path)", "engine_kwargs": chain, "env": env},
-            {"name": f"topk {a.topk} (dsv4_tree tree path)", "engine_kwargs": tree, "env": env}]
+    return [{"name": "topk 1, CUDA graphs (SGLang's chain path)", "engine_kwargs": chain, "env": env},
+            {"name": f"topk {a.topk}, CUDA graphs (dsv4_tree tree path)", "engine_kwargs": tree, "env": env},
+            {"name": f"topk {a.topk}, eager (dsv4_tree tree path)", "engine_kwargs": dict(tree, disable_cuda_graph=True),
+             "env": env}]
 
 
 def sampling_params(a: argparse.Namespace) -> dict:
@@ -141,21 +145,21 @@ def dry_run(a: argparse.Namespace) -> int:
 
 
 def launch_once(a: argparse.Namespace, launch: dict, index: int) -> dict | None:
-    print(f"[{index}/2] {launch['name']}: starting SGLang (loads the checkpoint; can take minutes)", flush=True)
+    print(f"[{index}/{LAUNCHES}] {launch['name']}: starting SGLang (loads the checkpoint; can take minutes)", flush=True)
     t0 = time.time()
     try:
         proc = subprocess.run(child_command(a, launch), env=dict(os.environ, **launch["env"]), capture_output=True,
                               text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        print(f"[{index}/2] {launch['name']}: no result after {a.timeout:.0f} s", file=sys.stderr)
+        print(f"[{index}/{LAUNCHES}] {launch['name']}: no result after {a.timeout:.0f} s", file=sys.stderr)
         return None
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        print(f"[{index}/2] {launch['name']}: failed (exit {proc.returncode}); last output:\n"
+        print(f"[{index}/{LAUNCHES}] {launch['name']}: failed (exit {proc.returncode}); last output:\n"
               f"{(proc.stdout + proc.stderr)[-4000:]}", file=sys.stderr)
         return None
     res = json.loads(lines[-1][len(RESULT):])
-    print(f"[{index}/2] {launch['name']}: {len(res['output_ids'] or [])} tokens in {time.time() - t0:.0f} s, "
+    print(f"[{index}/{LAUNCHES}] {launch['name']}: {len(res['output_ids'] or [])} tokens in {time.time() - t0:.0f} s, "
           f"speculative stats {res['spec']}, plug-in hooks applied: {len(res['hooks_applied'])}", flush=True)
     return res
 
@@ -207,7 +211,20 @@ def main(argv=None) -> int:
         if res is None:
             return 2
         results.append(res)
-    return compare(*results)
+    return compare_all(results, [launch["name"] for launch in launches(a)])
+
+
+def compare_all(results: list, names: list) -> int:
+    """Every run against the first (the topk 1 baseline): 0 all identical, else the worst outcome
+    (2 no tokens, 1 a real difference, 3 a near tie only)."""
+    codes = []
+    for res, name in zip(results[1:], names[1:]):
+        print(f"{name} against {names[0]}:")
+        codes.append(compare(results[0], res))
+    for worst in (2, 1, 3):
+        if worst in codes:
+            return worst
+    return 0
 
 
 if __name__ == "__main__":

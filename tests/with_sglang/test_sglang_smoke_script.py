@@ -1,7 +1,8 @@
-"""scripts/sglang_smoke.py without a GPU: its argument checks, the two launches it builds (same
-arguments but topk and draft-token count), that SGLang's own server-argument resolution with
-the plug-in loaded (so the plug-in's validator) accepts both in its --dry-run and refuses a
-configuration outside the validator, and its output comparison."""
+"""scripts/sglang_smoke.py without a GPU: its argument checks, the three launches it builds (topk 1
+and topk K with CUDA graphs, topk K eager: same arguments but topk, draft-token count and
+--disable-cuda-graph), that SGLang's own server-argument resolution with the plug-in loaded (so
+the plug-in's validator) accepts all in its --dry-run and refuses a configuration outside the
+validator, and its output comparison."""
 import importlib.util
 import json
 import os
@@ -41,18 +42,20 @@ def model(tmp_path_factory):
 def test_dry_run_launches_pass_sglang_resolution(model):
     rc, report, err = dry_run(model, "--tp", "1", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8")
     assert rc == 0, err[-3000:]
-    chain, tree = report["launches"]
-    ck, tk = chain["engine_kwargs"], tree["engine_kwargs"]
+    chain, tree, eager = report["launches"]
+    ck, tk, ek = chain["engine_kwargs"], tree["engine_kwargs"], eager["engine_kwargs"]
     assert (ck["speculative_eagle_topk"], ck["speculative_num_draft_tokens"]) == (1, 4)
     assert (tk["speculative_eagle_topk"], tk["speculative_num_draft_tokens"]) == (4, 8)
+    assert ek == dict(tk, disable_cuda_graph=True)
     same = {k: v for k, v in ck.items() if k not in SPECULATIVE}
     assert same == {k: v for k, v in tk.items() if k not in SPECULATIVE}
-    assert (same["disable_cuda_graph"], same["dsv4_attn_backend"], same["model_path"]) == (True, "flashmla", model)
-    for launch, topk, n in ((chain, 1, 4), (tree, 4, 8)):
+    assert (same["disable_cuda_graph"], same["dsv4_attn_backend"], same["model_path"]) == (False, "flashmla", model)
+    for launch, topk, n, eager_only in ((chain, 1, 4, False), (tree, 4, 8, False), (eager, 4, 8, True)):
         assert launch["ok"], launch
         r = launch["resolved"]
         assert (r["speculative_eagle_topk"], r["speculative_num_draft_tokens"], r["page_size"]) == (topk, n, 256)
-        assert (r["attention_backend"], r["dsv4_attn_backend"], r["disable_cuda_graph"]) == ("dsv4", "flashmla", True)
+        assert (r["attention_backend"], r["dsv4_attn_backend"]) == ("dsv4", "flashmla")
+        assert r["disable_cuda_graph"] is eager_only, launch
         assert launch["env"] == {"SGLANG_PLUGINS": "dsv4_tree"}
         cmd = launch["command"]
         assert cmd[1] == str(SCRIPT) and cmd[2] == model and cmd[3] == "--child"
@@ -63,9 +66,11 @@ def test_dry_run_launches_pass_sglang_resolution(model):
 
 def test_dry_run_refuses_what_the_validator_refuses(model):
     rc, report, _ = dry_run(model, "--num-draft-tokens", "16")
-    chain, tree = report["launches"]
-    assert rc == 2 and chain["ok"] and not tree["ok"]
-    assert tree["error"].startswith("ConfigError") and "--speculative-num-draft-tokens" in tree["error"]
+    chain, *trees = report["launches"]
+    assert rc == 2 and chain["ok"] and len(trees) == 2
+    for tree in trees:
+        assert not tree["ok"]
+        assert tree["error"].startswith("ConfigError") and "--speculative-num-draft-tokens" in tree["error"]
 
 
 def test_arguments_are_checked(tmp_path, capsys):
@@ -106,3 +111,13 @@ def test_compare_tells_a_near_tie_from_a_real_difference(capsys):
     assert mod.compare(near, other) == 3 and "NEAR TIE" in capsys.readouterr().err
     assert mod.compare(far, other) == 1 and "not a near tie" in capsys.readouterr().err
     assert mod.top2_margin(far, 1) == pytest.approx(4 * mod.NEAR_TIE) and mod.top2_margin(far, 7) is None
+
+
+def test_compare_all_runs_against_the_baseline(capsys):
+    mod = smoke_module()
+    run = lambda ids: {"output_ids": ids, "text": ""}  # noqa: E731
+    names = ["graphs topk 1", "graphs topk 4", "eager topk 4"]
+    assert mod.compare_all([run([1, 2]), run([1, 2]), run([1, 2])], names) == 0
+    assert mod.compare_all([run([1, 2]), run([1, 2]), run([1, 3])], names) == 1  # the eager tree run differs
+    assert "eager topk 4 against graphs topk 1" in capsys.readouterr().out
+    assert mod.compare_all([run([1, 2]), run([]), run([1, 3])], names) == 2
