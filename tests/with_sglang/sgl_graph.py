@@ -14,7 +14,6 @@ import contextlib
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -6,7 +6,6 @@ addresses); the captured build, run on the capture's inputs, must make no host r
 data, keep the capture's shapes, and fill the metadata the eager path builds for the same padded
 batch, field for field; the real rows equal SGLang's linear metadata of their paths, the padding
 rows write only SGLang's padding slot 0."""
-from types import SimpleNamespace
 
 import pytest
 import torch
