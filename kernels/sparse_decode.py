@@ -21,29 +21,49 @@ import triton.language as tl
 from dsv4_tree.errors import InputError
 
 from ._launch import FLOATS, INDEX, check, check_device, check_scale, pow2
+from ._meta import on_meta
 from ._pool_rows import PoolFormat, load_pool_rows, pool_format
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, t, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES,
-            FP8_DIM, TILE, D, scale, rd, FMT: tl.constexpr, BK: tl.constexpr):
-    """Fold row t's keys of one pool into the running (m, l, acc) of a head block."""
-    n_keys = tl.minimum(tl.load(len_ptr + t).to(tl.int32), K)
+def _attend(q, m_i, l_i, acc, cell0, t0, rows_ptr, N, m_row, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES,
+            SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT: tl.constexpr, GROUPED: tl.constexpr, BR: tl.constexpr,
+            BK: tl.constexpr):
+    """Fold the per-row index lists of one pool into the running (m, l, acc) of the tile's BM
+    (row, head) pairs: BK keys of each of the tile's BR rows per step, a row's keys masked out of
+    the other rows' logits (BR = 1 without a shared list). Grouped: the tile's rows are
+    req_rows cells cell0 .. cell0 + min(BR, N) - 1; else the one row t0."""
+    rc = tl.arange(0, BR * BK)
+    c_row = rc // BK
+    if GROUPED:
+        t_c = tl.load(rows_ptr + cell0 + c_row, mask=c_row < N, other=-1).to(tl.int64)
+    else:
+        t_c = t0 + 0 * c_row.to(tl.int64)
+    len_c = tl.where(t_c >= 0, tl.minimum(tl.load(len_ptr + tl.where(t_c >= 0, t_c, 0)).to(tl.int32), K), 0)
+    n_keys = tl.max(len_c, axis=0)
     for k0 in range(0, n_keys, BK):
-        rk = k0 + tl.arange(0, BK)
-        idx = tl.load(idx_ptr + t.to(tl.int64) * K + rk, mask=rk < n_keys, other=-1)
+        kk = k0 + rc % BK
+        live = kk < len_c
+        idx = tl.load(idx_ptr + tl.where(live, t_c, 0) * K + kk, mask=live, other=-1)
         ok = idx >= 0
         kv = load_pool_rows(kv_ptr, idx, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
-        logits = tl.dot(q, tl.trans(kv), input_precision="ieee")
-        logits = tl.where(ok[None, :], logits * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on rows without keys yet
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(logits - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m_i = m_new
+        mine = ok[None, :] & (m_row[:, None] == c_row[None, :])
+        m_i, l_i, acc = _fold(q, kv, mine, m_i, l_i, acc, scale)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(q, kv, mine, m_i, l_i, acc, scale):
+    """One online-softmax step over a key tile kv [BC, BD] (mine [BM, BC]: which keys each query sees)."""
+    logits = tl.dot(q, tl.trans(kv), input_precision="ieee")
+    logits = tl.where(mine, logits * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on rows without keys yet
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(logits - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -51,32 +71,55 @@ def _sparse_decode_kernel(
     q_ptr, sink_ptr, out_ptr, lse_ptr, H, D, scale,
     idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
     xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE,
-    FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+    rows_ptr, N, G, spages_ptr, slen_ptr, SCP, SEPP,
+    FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr, GROUPED: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    # program (row t, head block) without a shared list; (request b x row group, head block) with
+    # one: its tile holds BH heads of each of BR rows of the request (all of a tree's rows up to
+    # BR = 16), so the shared entries are read once per group
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // G
+    r0 = (pid % G) * BR
+    rm = tl.arange(0, BR * BH)
+    m_row = rm // BH
+    rh = tl.program_id(1) * BH + rm % BH
     rd = tl.arange(0, BD)
-    hmask = rh < H
-    qrow = t.to(tl.int64) * H + rh
-    q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=hmask[:, None] & (rd[None, :] < D), other=0.0)
+    if GROUPED:
+        t_m = tl.load(rows_ptr + b * N + r0 + m_row, mask=r0 + m_row < N, other=-1).to(tl.int64)
+    else:
+        t_m = pid + 0 * m_row.to(tl.int64)
+    live = (t_m >= 0) & (rh < H)
+    qrow = tl.where(live, t_m, 0) * H + rh
+    q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=live[:, None] & (rd[None, :] < D), other=0.0)
     q = q.to(tl.float32)
-    m_i = tl.full((BH,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, BD), tl.float32)
-    m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES,
-                            SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, BK)
+    m_i = tl.full((BR * BH,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BR * BH,), tl.float32)
+    acc = tl.zeros((BR * BH, BD), tl.float32)
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, b * N + r0, pid, rows_ptr, N - r0, m_row, idx_ptr, len_ptr, K, kv_ptr, PAGE,
+                            PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, GROUPED, BR, BK)
     if HAS_EXTRA:
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES,
-                                XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE, D, scale, rd, XFMT, BK)
-    sink = tl.load(sink_ptr + rh, mask=hmask, other=0.0).to(tl.float32)
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, b * N + r0, pid, rows_ptr, N - r0, m_row, xidx_ptr, xlen_ptr, XK, xkv_ptr,
+                                XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE, D, scale, rd, XFMT,
+                                GROUPED, BR, BK)
+    if GROUPED:  # the request's shared entries (extra pool), through its entry page table
+        n_sh = tl.load(slen_ptr + b).to(tl.int32)
+        for j0 in range(0, n_sh, BS):
+            j = j0 + tl.arange(0, BS)
+            ok = j < n_sh
+            page = tl.load(spages_ptr + b * SCP + j // SEPP, mask=ok, other=-1).to(tl.int64)
+            ok = ok & (page >= 0)
+            kv = load_pool_rows(xkv_ptr, page * SEPP + j % SEPP, ok, rd, D, XPAGE, XPAGE_BYTES, XDATA_BYTES,
+                                XSCALE_BYTES, XFP8_DIM, XTILE, XFMT)
+            m_i, l_i, acc = _fold(q, kv, ok[None, :] & live[:, None], m_i, l_i, acc, scale)
+    sink = tl.load(sink_ptr + rh, mask=rh < H, other=0.0).to(tl.float32)
     m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i + tl.exp(sink - m_ref)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # a row with no key: acc = 0 -> out = 0
     lse = tl.where(l_i > 0, m_ref + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     tl.store(out_ptr + qrow[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None] & (rd[None, :] < D))
-    tl.store(lse_ptr + qrow, lse, mask=hmask)
+             mask=live[:, None] & (rd[None, :] < D))
+    tl.store(lse_ptr + qrow, lse, mask=live)
 
 
 def _check_table(name: str, idx: torch.Tensor, len_name: str, lengths: torch.Tensor, rows: int) -> None:
@@ -95,8 +138,24 @@ def _pool_for(name: str, pool, d: int) -> PoolFormat:
     return fmt
 
 
-def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
-    """Same contract as ref_sparse_decode -> (out [T, H, d] in q.dtype, lse [T, H] fp32)."""
+def _check_shared(shared_pages, shared_len, req_rows, extra, t: int) -> None:
+    check("shared_pages", shared_pages, 2, INDEX)
+    check("shared_len", shared_len, 1, INDEX)
+    check("req_rows", req_rows, 2, INDEX)
+    b = shared_pages.shape[0]
+    if shared_len.shape[0] != b or req_rows.shape[0] != b:
+        raise InputError(f"shared_len ({shared_len.shape[0]}) and req_rows ({req_rows.shape[0]}) must have "
+                         f"shared_pages' {b} requests")
+    if not extra:
+        raise InputError("shared_pages index the extra pool: extra_kv, extra_indices and extra_lengths are needed")
+
+
+def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None,
+                  shared_pages=None, shared_per_page=1, shared_len=None, req_rows=None):
+    """Same contract as ref_sparse_decode -> (out [T, H, d] in q.dtype, lse [T, H] fp32). With a
+    shared list (shared_pages, shared_per_page, shared_len, req_rows), one program per (request,
+    group of up to 16 of its rows, head block) reads the request's shared entries once for all
+    those rows; rows in no request (padding) output 0 with lse +inf."""
     check("q", q, 3, (torch.float32, torch.bfloat16))
     t, h, d = q.shape
     check_scale(scale)
@@ -109,6 +168,10 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     has_extra = extra_kv is not None
     if any(x is None for x in extras) != (not has_extra):
         raise InputError("extra_kv, extra_indices and extra_lengths must be given together (or none of them)")
+    shared = (shared_pages, shared_len, req_rows)
+    grouped = shared_pages is not None
+    if any(x is None for x in shared) != (not grouped):
+        raise InputError("shared_pages, shared_len and req_rows must be given together (or none of them)")
     tensors = [q, indices, lengths, sinks, main.storage]
     extra = main
     if has_extra:
@@ -117,15 +180,29 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
         tensors += [extra_indices, extra_lengths, extra.storage]
     else:
         extra_indices, extra_lengths = indices, lengths  # never read (HAS_EXTRA=False)
-    check_device(*tensors)
-    out = torch.empty_like(q)
-    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    if t == 0 or h == 0:
+    if grouped:
+        _check_shared(shared_pages, shared_len, req_rows, has_extra, t)
+        if int(shared_per_page) < 1:
+            raise InputError(f"shared_per_page must be >= 1, got {shared_per_page}")
+        tensors += [shared_pages, shared_len, req_rows]
+    else:
+        shared_pages, shared_len, req_rows = indices, lengths, indices  # never read (GROUPED=False)
+    meta = on_meta(*tensors)
+    dev = q.device if meta else check_device(*tensors)
+    out = torch.zeros_like(q) if grouped else torch.empty_like(q)  # grouped: padding rows are not visited
+    lse = torch.full((t, h), float("inf"), dtype=torch.float32, device=dev)
+    if t == 0 or h == 0 or meta:
         return out, lse
-    bh = 16  # tl.dot needs M >= 16; padded heads are masked
-    _sparse_decode_kernel[(t, triton.cdiv(h, bh))](
+    n = req_rows.shape[1] if grouped else 1
+    br = min(pow2(n, 1), 16) if grouped else 1
+    groups = -(-n // br)
+    bh = 16 if not grouped else max(min(pow2(h, 1), max(1, 64 // br)), -(-16 // br))  # tl.dot: M >= 16
+    bk = max(1, 16 // br)  # keys per row and step: a tile of max(16, BR) columns
+    grid = (req_rows.shape[0] * groups if grouped else t, triton.cdiv(h, bh))
+    _sparse_decode_kernel[grid](
         q, sinks, out, lse, h, d, float(scale),
         indices, lengths, indices.shape[1], *main.kernel_args(),
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
-        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, BH=bh, BK=16, BD=pow2(d))
+        req_rows, n, groups, shared_pages, shared_len, shared_pages.shape[1], int(shared_per_page),
+        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d))
     return out, lse

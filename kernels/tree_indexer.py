@@ -3,8 +3,8 @@
     selected, lengths, ties = indexer_topk(q, weights, keys, entry_pages, epp, entry_len, branch,
                                            req_rows, scale, topk)
 
-One program per request. Its tile holds every row of the request and every index head
-(M = N x HI); each tile of the request's committed indexer keys (read through the entry page
+One program per request (per group of 16 of its rows when it has more: prefill chunks). Its
+tile holds every row of the request and every index head (M = N x HI); each tile of the request's committed indexer keys (read through the entry page
 table, FP8 records dequantised in registers, `_pool_rows.py`) is loaded once and scored for all
 rows and heads: dot, ReLU, head weights and the head sum stay in registers. Scores never reach
 memory: each row keeps a running top-k as packed int64 keys (score bits made order-preserving in
@@ -31,6 +31,7 @@ from dsv4_tree.attention.torch_ops import TIE_MARGIN
 from dsv4_tree.errors import InputError
 
 from ._launch import INDEX, check, check_device, check_scale, pow2
+from ._meta import on_meta
 from ._pool_rows import load_pool_rows, pool_format
 
 NO_KEY = -9223372036854775807  # below every packed key of a finite score
@@ -84,14 +85,16 @@ def _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, H, D, rd, BN: tl.constexpr, BH: 
 
 @triton.jit
 def _indexer_topk_kernel(q_ptr, w_ptr, pages_ptr, elen_ptr, branch_ptr, rows_ptr, sel_ptr, len_ptr, tie_ptr,
-                         score_ptr, H, D, N, CP, EPP, KB, K, scale, tie_margin,
+                         score_ptr, H, D, N, G, CP, EPP, KB, K, scale, tie_margin,
                          k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
                          FMT: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr,
                          KP: tl.constexpr, BKB: tl.constexpr, BD: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // G
+    r0 = (pid % G) * BN  # the program's rows: req_rows[b, r0 : r0 + BN]
     rn = tl.arange(0, BN)
     rd = tl.arange(0, BD)
-    row_t = tl.load(rows_ptr + b * N + rn, mask=rn < N, other=-1).to(tl.int64)
+    row_t = tl.load(rows_ptr + b * N + r0 + rn, mask=r0 + rn < N, other=-1).to(tl.int64)
     rn_ok = row_t >= 0
     n_e = tl.load(elen_ptr + b).to(tl.int32)
     c_width = CP * EPP
@@ -178,23 +181,26 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
     fmt = pool_format("keys", keys)
     if fmt.head_dim != d:
         raise InputError(f"keys has head_dim {fmt.head_dim}, q has head_dim {d}")
-    dev = check_device(q, weights, entry_pages, entry_len, branch, req_rows, fmt.storage)
+    tensors = (q, weights, entry_pages, entry_len, branch, req_rows, fmt.storage)
+    meta = on_meta(*tensors)
+    dev = q.device if meta else check_device(*tensors)
     kb, n = branch.shape[1], req_rows.shape[1]
     k = min(topk, cp * epp + kb)
     sel = torch.full((t, k), -1, dtype=torch.int64, device=dev)
     scores = torch.full((t, k), float("-inf"), dtype=torch.float32, device=dev)
     lengths = torch.zeros(t, dtype=torch.int64, device=dev)
     ties = torch.zeros(t, dtype=torch.int64, device=dev)
-    if t == 0 or k == 0 or b == 0 or n == 0 or dev.type == "meta":  # meta tensors hold no data: shapes only
+    if t == 0 or k == 0 or b == 0 or n == 0 or meta:
         return sel, lengths, ties, scores
-    bn = pow2(n, 1)
+    bn = min(pow2(n, 1), 16)  # a tree's rows in one tile; longer requests (prefill chunks) in groups of 16
+    groups = -(-n // bn)
     bh = max(pow2(h, 1) if h <= 16 else 16, -(-16 // bn))  # tl.dot needs M = BN x BH >= 16
     kp = pow2(k + 1)  # keeps the (k+1)-th best for the tie flag
     bkb = max(pow2(kb, 1), -(-16 // bn))
     if bkb > kp:
         raise InputError(f"branch has {kb} columns, more than the {kp} a top-{k} tile holds")
-    _indexer_topk_kernel[(b,)](
-        q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, h, d, n, cp, epp, kb, k,
+    _indexer_topk_kernel[(b * groups,)](
+        q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, h, d, n, groups, cp, epp, kb, k,
         float(scale), TIE_MARGIN, *fmt.kernel_args(),
         FMT=fmt.fmt, BN=bn, BH=bh, BC=min(16, kp), KP=kp, BKB=bkb, BD=pow2(d))
     return sel, lengths, ties, scores

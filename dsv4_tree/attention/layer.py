@@ -11,7 +11,6 @@ import torch
 
 from ..numerics.norms import rms_norm
 from ..numerics.rope import rope_tables
-from .torch_ops import select_topk_table
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
 from .compress import branch_entries
@@ -44,8 +43,23 @@ def kv_rows(attn, x, cos, sin, apply_rope) -> torch.Tensor:
     return apply_rope(kv, cos, sin)[0, 0]
 
 
-def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRope, ops, apply_rope):
-    """Write this layer's compressor rows and branch entries; -> (extra index [T, K], lengths [T], ties).
+@dataclass(frozen=True)
+class EntryKeys:
+    """The compressed entries one layer's attention reads: per-row lists (C4: the indexer's picks;
+    C128: the row's branch entries) and, for C128, its request's committed entries, a list every
+    row of the request shares (read once per request by the Triton kernel)."""
+
+    index: torch.Tensor  # [T, K] entry slots, -1 = none
+    length: torch.Tensor  # [T]
+    ties: torch.Tensor | None  # [T] top-k boundary ties (C4), None for C128
+    shared_pages: torch.Tensor | None = None  # [B, Cp] entry pages of each request's committed entries
+    shared_per_page: int = 1
+    shared_len: torch.Tensor | None = None  # [B]
+    req_rows: torch.Tensor | None = None  # [B, N]
+
+
+def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRope, ops, apply_rope) -> EntryKeys:
+    """Write this layer's compressor rows and branch entries; -> the entries its attention reads.
     Every row pools an entry (rows that close no block pool into the trash entry): static shapes."""
     comp = attn.compressor
     ct = plan.compress[comp.compress_rate]
@@ -54,7 +68,8 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
     idx = getattr(comp, "indexer", None)
     if idx is None:
-        return ct.row_entries, ct.row_len, None
+        return EntryKeys(ct.branch, ct.branch_len, None, ct.entry_pages, ct.entries_per_page, ct.entry_len,
+                         plan.groups.req_rows)
     t = plan.num_rows
     pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
     cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
@@ -63,8 +78,9 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
     iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
-    return indexer_select(ops, iq, iw, pools.indexer.entries, ct, plan.groups, idx.scorer.softmax_scale,
-                          idx.index_topk)
+    picked, length, ties = indexer_select(ops, iq, iw, pools.indexer.entries, ct, plan.groups,
+                                          idx.scorer.softmax_scale, idx.index_topk)
+    return EntryKeys(picked, length, ties)
 
 
 def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, ops, apply_rope):
@@ -77,12 +93,15 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
     q = rms_norm(attn.q_b_norm, attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
     q = apply_rope(q, cos, sin)[0].transpose(0, 1).contiguous()  # [T, H, d]
     pools.swa.write(plan.out_loc, kv_rows(attn, x, cos, sin, apply_rope))
-    extra = extra_index = extra_len = ties = None
-    if attn.compressor is not None:
-        extra_index, extra_len, ties = _compressed(attn, x, q_res, plan, pools, rope, ops, apply_rope)
-        extra = pools.main.entries
-    out, _ = ops.sparse_decode(q, pools.swa, plan.swa_index, plan.swa_len, attn.sinks, attn.scaling,
-                               extra, extra_index, extra_len)
+    if attn.compressor is None:
+        out, _ = ops.sparse_decode(q, pools.swa, plan.swa_index, plan.swa_len, attn.sinks, attn.scaling)
+        ties = None
+    else:
+        e = _compressed(attn, x, q_res, plan, pools, rope, ops, apply_rope)
+        out, _ = ops.sparse_decode(q, pools.swa, plan.swa_index, plan.swa_len, attn.sinks, attn.scaling,
+                                   pools.main.entries, e.index, e.length, e.shared_pages, e.shared_per_page,
+                                   e.shared_len, e.req_rows)
+        ties = e.ties
     inv_cos, inv_sin = rope.full(attn.rope_layer_type, d, inverse=True)
     out = apply_rope(out.unsqueeze(0).transpose(1, 2), inv_cos, inv_sin).transpose(1, 2)
     grouped = attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2)

@@ -86,7 +86,8 @@ def _row_keys(pool, indices: torch.Tensor, lengths: torch.Tensor) -> tuple[torch
     return f32(pool.read(slots)), valid
 
 
-def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
+def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None,
+                  shared_pages=None, shared_per_page=1, shared_len=None, req_rows=None):
     """Sparse MQA with a per-head sink, FlashMLA's sparse-decode arguments and return convention.
 
     q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
@@ -95,11 +96,20 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     Returns (out [T, H, d] in q.dtype, lse [T, H] fp32). lse is the log-sum-exp of the real keys'
     logits only (+inf for a row with no key, as FlashMLA); the sink enters the output as
     out = softmax-average * e^lse / (e^lse + e^sink), i.e. the softmax over keys + sink with a
-    zero value for the sink. A row with no key gets out = 0."""
+    zero value for the sink. A row with no key gets out = 0.
+    Optional shared list (shared_pages [B, Cp], shared_per_page, shared_len [B], req_rows [B, N]):
+    every row of request b also sees the extra pool's entries of paged_slots(shared_pages, ...)[b]
+    (C128's committed entries); rows in no request are then padding. Here it is expanded to
+    per-row lists [T, Cp * shared_per_page]; the Triton kernel reads it once per request."""
     rows, valid = _row_keys(kv, indices, lengths)
     if extra_kv is not None:
         xrows, xvalid = _row_keys(extra_kv, extra_indices, extra_lengths)
         rows, valid = torch.cat([rows, xrows], 1), torch.cat([valid, xvalid], 1)
+    if shared_pages is not None:
+        row_slot, real = _row_places(req_rows, q.shape[0])
+        slots = paged_slots(shared_pages, shared_per_page, shared_len)[row_slot // req_rows.shape[1]]  # [T, C]
+        srows, svalid = _row_keys(extra_kv, slots, torch.full_like(row_slot, slots.shape[1]))
+        rows, valid = torch.cat([rows, srows], 1), torch.cat([valid, svalid], 1) & real.unsqueeze(1)
     logits = torch.matmul(f32(q), rows.transpose(1, 2)) * scale  # [T, H, K + K2]
     invalid = ~valid.unsqueeze(1)
     logits.masked_fill_(invalid, float("-inf"))  # a fresh product (its backward needs only the inputs)

@@ -21,20 +21,35 @@ def _keys(pool, indices: torch.Tensor, length) -> torch.Tensor:
     return pool.read(slots).float() if slots.numel() else torch.zeros(0, pool.head_dim, device=indices.device)
 
 
-def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None):
+def ref_sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_indices=None, extra_lengths=None,
+                      shared_pages=None, shared_per_page=1, shared_len=None, req_rows=None):
     """Sparse MQA with a per-head sink, FlashMLA's sparse-decode arguments and return convention.
 
     q [T, H, d]; kv: a KVPool; indices [T, K] int slots into kv (-1 = none; columns >= lengths[t]
     ignored); lengths [T]; extra_kv / extra_indices [T, K2] / extra_lengths [T]: the same into a
     second pool (or all None); sinks [H]: logit of a zero-value key per head; scale: float.
+    Optional shared list (all or none): shared_pages [B, Cp], shared_len [B], req_rows [B, N]:
+    every row of request b (req_rows[b], -1 = none) also sees the extra pool's slots
+    shared_pages[b, j // e] * e + j % e for j < shared_len[b] (e = shared_per_page: C128's
+    committed entries); with it, rows in no request are padding (no key).
     Returns (out [T, H, d] in q.dtype, lse [T, H] fp32): lse is the log-sum-exp of the real keys'
     logits (+inf for a row with no key); out is the softmax over keys + sink times the keys (the
     sink's value is zero), 0 for a row with no key."""
     outs, lses = [], []
+    request_of = {}
+    if shared_pages is not None:
+        request_of = {int(r): b for b, rows in enumerate(req_rows.tolist()) for r in rows if r >= 0}
     for t in range(q.shape[0]):
         keys = _keys(kv, indices[t], lengths[t])
         if extra_kv is not None:
             keys = torch.cat([keys, _keys(extra_kv, extra_indices[t], extra_lengths[t])])
+        if shared_pages is not None:
+            if t in request_of:
+                b, e = request_of[t], shared_per_page
+                j = torch.arange(int(shared_len[b]), device=q.device)
+                keys = torch.cat([keys, _keys(extra_kv, shared_pages[b].long()[j // e] * e + j % e, j.numel())])
+            else:
+                keys = keys[:0]
         logits = q[t].float() @ keys.t() * scale  # [H, K]
         if keys.shape[0] == 0:
             outs.append(torch.zeros(q.shape[1], q.shape[2], device=q.device))
