@@ -56,8 +56,11 @@ class SpecConfig:
                        draw for draw only with "fixed" (adaptive trees follow the clock).
                        It steers the drafter that drafts in steps (MTP: by name, or an
                        MtpDrafter built with depth=None; one built with an explicit depth that
-                       contradicts an explicit draft_depth is refused); the n-gram, planted
-                       and user drafters build their trees in one go and ignore it.
+                       contradicts an explicit draft_depth is refused); a DSpark tree
+                       (eagle_topk > 1) is its block deep, and "adaptive" there sizes it: the
+                       size policy picks each round's node count (design_notes/dspark-trees.md);
+                       the n-gram, planted and user drafters build their trees in one go and
+                       ignore it.
     """
 
     eagle_topk: int = 1

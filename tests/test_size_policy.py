@@ -13,7 +13,7 @@ from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.depth import candidate_depths
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.size_policy import CostLine, SizePolicy
+from dsv4_tree.drafters.size_policy import PROBE_EVERY, STALE, WINDOW, CostLine, SizePolicy
 from test_adaptive_depth import Clock, hf_greedy
 
 TOPK, STEPS, N = 2, 3, 10
@@ -33,6 +33,7 @@ def _measured(a: float, b: float) -> SizePolicy:
     line = pol.costs.setdefault(1, CostLine())
     for n in (N, 4, N, 4):
         line.add(n, a + b * n)
+    line.last_probe = line.rounds  # no probe due
     assert pol.costs[1].line() == pytest.approx((a, b))
     return pol
 
@@ -57,22 +58,44 @@ def test_it_never_exceeds_the_node_limit_or_the_pool():
     line = wide.costs.setdefault(2, CostLine())
     line.add(64, 1.0)
     line.add(5, 1.0)
+    line.last_probe = line.rounds
     assert wide.choose(_values(2, 0.99), DEPTHS) == POOL + 1  # 11 nodes: every candidate
     assert SizePolicy(STEPS, 64).choose(_values(2, 0.99), DEPTHS) == POOL + 1  # the first probe too
 
 
-def test_it_probes_until_its_line_rests_on_two_sizes_and_again_when_one_has_held_long():
-    pol, clock = SizePolicy(STEPS, N), Clock()
-    pol.clock = clock
+def test_it_probes_until_its_line_rests_on_two_sizes_then_keeps_both_ends_measured():
+    pol = SizePolicy(STEPS, N)
     assert pol.choose(_values(1, 0.9), DEPTHS) == N  # nothing measured: the full tree
-    pol.costs.setdefault(1, CostLine()).add(N, 2.0)
-    assert pol.costs[1].line() is None
+    line = pol.costs.setdefault(1, CostLine())
+    line.add(N, 1.1)
+    assert line.line() is None
     assert pol.choose(_values(1, 0.9), DEPTHS) == (N + 1) // 2  # one size measured: half of it
-    pol.costs[1].add(5, 1.5)
-    assert pol.costs[1].line() == pytest.approx((1.0, 0.1))
-    for _ in range(200):  # the half-size sample decays away under many full-size rounds
-        pol.costs[1].add(N, 2.0)
-    assert pol.costs[1].line() is None and pol.choose(_values(1, 0.9), DEPTHS) == (N + 1) // 2
+    line.add(5, 1.05)
+    assert line.line() == pytest.approx((1.0, 0.01))
+    picks = []
+    for _ in range(2 * PROBE_EVERY):  # cheap rows: the full tree, with a half-size probe every PROBE_EVERY rounds
+        n = pol.choose(_values(1, 0.9), DEPTHS)
+        picks.append(n)
+        line.add(n, 1.0 + 0.01 * n)
+    assert picks.count((N + 1) // 2) == 2 and picks.count(N) == 2 * PROBE_EVERY - 2
+    assert set(line.samples) == {N, 5} and line.line() == pytest.approx((1.0, 0.01))
+
+
+def test_the_line_goes_through_each_sizes_median_and_forgets_stale_samples():
+    line = CostLine()
+    for t in (1.0, 1.0, 9.0, 1.0):  # a load spike: the median ignores it
+        line.add(2, t)
+    for t in (2.0, 2.0, 2.0):
+        line.add(6, t)
+    assert line.line() == pytest.approx((0.5, 0.25))
+    assert all(len(v) <= WINDOW for v in line.samples.values())
+    for _ in range(STALE):
+        line.add(6, 2.0)
+    assert set(line.samples) == {6} and line.line() is None  # size 2's samples went stale: probe again
+    down = CostLine()
+    down.add(2, 3.0)
+    down.add(6, 1.0)
+    assert down.line() == (pytest.approx(2.0), 0.0)  # never a negative cost per node
 
 
 def test_end_round_times_the_round_at_its_size_and_calibrates_uncut_requests():
@@ -89,7 +112,7 @@ def test_end_round_times_the_round_at_its_size_and_calibrates_uncut_requests():
     clock.t += 0.25
     a.seq_len, b.seq_len = 13, 21  # a accepted 2 drafts, b none
     pol.end_round([a, b], cut=[2])
-    assert pol.costs[2].sums[:2].tolist() == [1.0, 3.0] and pol.costs[2].sums[3] == pytest.approx(0.25)
+    assert pol.costs[2].samples == {3: [(1, pytest.approx(0.25))]}
     assert pol.accepted_mass[:2] == [1.0, 1.0] and pol.predicted_mass[:2] == pytest.approx([0.9, 0.5])
     assert pol.state().last_nodes == 3 and pol.state().rounds_observed == 1
 
@@ -131,4 +154,7 @@ def test_the_drafter_follows_the_fake_clock_and_greedy_output_stays_hugging_face
         assert max(seen) <= N and seen[:2] == [N, (N + 1) // 2], (label, seen)  # the two probes
         sizes[label] = seen[2:]
         assert res.stats.depth is not None and res.stats.depth.rounds_observed >= len(seen) - 1
-    assert min(sizes["cheap"]) > max(sizes["dear"]), sizes
+    # apart from the probe every PROBE_EVERY rounds (the far end of the range), dear rows get the
+    # root alone and cheap rows larger trees
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    assert median(sizes["dear"]) == 1 and median(sizes["cheap"]) > 3, sizes

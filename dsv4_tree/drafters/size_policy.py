@@ -12,11 +12,12 @@ parent, first). The count maximises
 
 where the calibration per depth is accepted / predicted value mass from what verify accepted in
 earlier rounds (drafters/depth.py's `calibrate`, as the adaptive depth policy calibrates MTP
-scores), and a_B + b_B n is a least-squares line through the measured seconds of whole rounds
-(draft start -> end_round: draft, verify, accept, commit) at batch size B, each sample decayed
-by COST_DECAY per new one. Until the line at a batch size rests on two sizes (its first
-rounds, or when one size has held so long that the other's samples have decayed away), the
-policy probes: the full tree, or a half-size one. Verify is exact for any tree, so the choice
+scores), and a_B + b_B n is a least-squares line through the median measured seconds of whole
+rounds (draft start -> end_round: draft, verify, accept, commit) per size at batch size B (the
+last WINDOW samples of each size, none older than STALE rounds). Until the line rests on two
+sizes the policy probes (the full tree, then half of it), and every PROBE_EVERY rounds it
+drafts the end of the range far from its choice once, so both ends of the line stay
+measured. Verify is exact for any tree, so the choice
 changes speed only; on several ranks rank 0's choice is every rank's (the drafter broadcasts it)."""
 from __future__ import annotations
 
@@ -27,33 +28,45 @@ import numpy as np
 
 from .depth import _Pending, add_mass, calibrate
 
-COST_DECAY = 0.95  # weight of the older samples per new one on a batch size's cost line
-MIN_SPREAD = 0.05  # variance of the sizes behind a line (nodes^2) below which it is re-probed
+WINDOW = 8  # samples kept per size: the line goes through each size's median
+STALE = 64  # rounds (at a batch size) after which a sample no longer counts
+PROBE_EVERY = 16  # rounds between probes of the size far from the choice (keeps the line's two ends fresh)
 
 
 @dataclass
 class CostLine:
-    """Decayed least squares of round seconds against nodes per request, at one batch size."""
+    """Round seconds against nodes per request at one batch size: a least-squares line through
+    the median of each size's recent samples (weighted by their count). Medians, because a
+    shared machine's load only ever adds time, in spikes that a mean would follow."""
 
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, w n, w n^2, w t, w n t
+    samples: dict = field(default_factory=dict)  # nodes -> [(round, seconds)], newest last
+    rounds: int = 0
+    last_probe: int = 0
 
     def add(self, nodes: int, seconds: float) -> None:
-        self.sums = COST_DECAY * self.sums + np.array([1.0, nodes, nodes * nodes, seconds, nodes * seconds])
+        self.rounds += 1
+        self.samples.setdefault(nodes, []).append((self.rounds, seconds))
+        for n in list(self.samples):
+            kept = [x for x in self.samples[n][-WINDOW:] if self.rounds - x[0] < STALE]
+            if kept:
+                self.samples[n] = kept
+            else:
+                del self.samples[n]
 
-    def mean_nodes(self) -> float:
-        return float(self.sums[1] / self.sums[0]) if self.sums[0] else 0.0
+    def probe_due(self) -> bool:
+        return self.rounds - self.last_probe >= PROBE_EVERY
 
     def line(self) -> tuple | None:
-        """(seconds at 0 nodes, seconds per node), or None while the samples sit at one size."""
-        w, sn, snn, st, snt = self.sums
-        if w == 0:
+        """(seconds at 0 nodes, seconds per node), or None while fewer than two sizes are measured."""
+        if len(self.samples) < 2:
             return None
-        spread = snn / w - (sn / w) ** 2
-        if spread < MIN_SPREAD:
-            return None
-        slope = (w * snt - sn * st) / (w * snn - sn * sn)
-        slope = max(slope, 0.0)  # a noisy fit may tilt down: extra rows are never cheaper than none
-        return max((st - slope * sn) / w, 0.0), slope
+        n = np.array(list(self.samples), dtype=np.float64)
+        t = np.array([np.median([x[1] for x in v]) for v in self.samples.values()])
+        w = np.array([len(v) for v in self.samples.values()], dtype=np.float64)
+        nm, tm = (w * n).sum() / w.sum(), (w * t).sum() / w.sum()
+        slope = (w * (n - nm) * (t - tm)).sum() / (w * (n - nm) ** 2).sum()
+        slope = max(float(slope), 0.0)  # a noisy fit may tilt down: extra rows are never cheaper than none
+        return max(float(tm - slope * nm), 0.0), slope
 
 
 @dataclass(frozen=True)
@@ -98,19 +111,21 @@ class SizePolicy:
         request, root included, in [1, min(num_draft_tokens, P + 1)]."""
         b, p = values.shape
         most = min(self.num_draft_tokens, p + 1)
+        half = max(1, (most + 1) // 2)
         cost = self.costs.get(b)
         line = None if cost is None else cost.line()
-        if line is None:  # probe: the full tree, then (or when it has held long) half of it
-            if cost is None or cost.mean_nodes() < (most + 1) / 2:
-                return most
-            return max(1, (most + 1) // 2)
+        if line is None:  # probe: the full tree, then half of it
+            return half if cost is not None and most in cost.samples else most
         cal = np.asarray(self.calibration())[depths - 1]
         order = np.argsort(-values, axis=1, kind="stable")[:, : most - 1]
         gain = np.take_along_axis(values * cal, order, 1).sum(0)  # [most - 1] per rank, summed over requests
         tokens = b + np.concatenate([[0.0], np.cumsum(gain)])  # [most]: 1 .. most nodes
         seconds = line[0] + line[1] * np.arange(1, most + 1)
-        rate = tokens / np.maximum(seconds, 1e-12)
-        return int(np.argmax(rate)) + 1
+        best = int(np.argmax(tokens / np.maximum(seconds, 1e-12))) + 1
+        if cost.probe_due():  # the end of the range far from the choice, so the line stays anchored
+            cost.last_probe = cost.rounds
+            return half if best > (most + 1) / 2 else most
+        return best
 
     def drafted(self, requests, nodes: int, selected: np.ndarray, depths: np.ndarray) -> None:
         """The round's choice: selected [B, nodes - 1] values of the chosen candidates, depths [B, nodes - 1]."""
