@@ -1,8 +1,11 @@
 """Long-context verify: tree vs chain (same rows) vs per-path (each root-to-leaf path as its own
 chain), on a model with DeepSeek-V4-Flash attention shapes and synthetic committed caches.
 
-Each case also prints its physical floor on an H200 (benchmarks/roofline.py: bf16 weights once,
-the KV a step must read, FLOPs; over 4.3 TB/s and ~790 TFLOP/s) and the measured tree time over it.
+Each case also prints the KV bytes its kernels must read and its physical floor on an H200
+(benchmarks/roofline.py: bf16 weights once, the KV a step must read, FLOPs; over 4.3 TB/s and
+~790 TFLOP/s) and the measured tree time over it. Each tree size N runs on its own engine with
+num_draft_tokens = N, so a bucketed (CUDA-graphed) step pads a request to N rows, not to the
+largest N of the run.
 Human table first, a PNG plot, and as the last line one JSON object (headline: N=8 topk-4 tree
 at 64K context, or the largest context run)."""
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dsv4_tree.checkpoint.tiny import random_model
 from dsv4_tree.tree.simulate import eagle_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import step_floor  # noqa: E402
+from roofline import HBM_BYTES_PER_S, step_floor  # noqa: E402
 
 FLASH_ATTENTION = dict(
     vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
@@ -49,6 +52,14 @@ def bench_model(layers: int, device: str, dtype, shapes: str = "flash"):
     cfg = dt.tiny_config(**attention, num_hidden_layers=layers, layer_types=types,
                          mlp_layer_types=["moe"] * layers)
     return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
+
+
+def bench_engine(model, n: int, max_context: int, kv_cache_dtype: str, backend: str):
+    """An engine for trees of n nodes (num_draft_tokens = n): a bucketed step pads each request
+    to n rows, so an "N = 8" case verifies 8 rows per request, not the run's largest N."""
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=n, num_draft_tokens=n, prefill_chunk=64, max_requests=2,
+                         max_total_tokens=max_context + 1024, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
+    return dt.Engine(model, spec)
 
 
 class PeakMemory:
@@ -157,10 +168,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     t0 = time.perf_counter()
     model = bench_model(args.layers, args.device, dtype, args.shapes)
-    spec = dt.SpecConfig(eagle_topk=4, num_steps=64, num_draft_tokens=64, prefill_chunk=64, max_requests=2,
-                         max_total_tokens=max(contexts) + 1024, kv_cache_dtype=args.kv_cache_dtype,
-                         attention_backend=args.backend)
-    engine = dt.Engine(model, spec)
+
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
     what = ("64 heads x 512, window 128, C4 + indexer 64x128 top-512, C128" if args.shapes == "flash"
@@ -170,12 +178,13 @@ def main(argv=None):
     records = []
     header = (f"{'ctx':>7} {'N':>3} {'shape':>5} {'leaves':>6} {'R':>5} {'tree_ms':>9} {'chain_ms':>9} "
               f"{'path_ms':>9} {'tree/chain':>10} {'path/tree':>9} {'tree_MB':>8} {'chain_MB':>8} "
-              f"{'floor_ms':>9} {'tree/floor':>10}")
+              f"{'read_MB':>8} {'floor_ms':>9} {'tree/floor':>10}")
     lines = []
-    for ctx in contexts:
-        req = synthetic_request(engine, ctx, seed=ctx)
-        base = committed_bytes(engine, ctx)
-        for n in nodes:
+    for n in nodes:  # one engine per tree size: a bucketed (graphed) step verifies the N it says
+        engine = bench_engine(model, n, max(contexts), args.kv_cache_dtype, args.backend)
+        for ctx in contexts:
+            req = synthetic_request(engine, ctx, seed=ctx)
+            base = committed_bytes(engine, ctx)
             for shape in (("tree", "chain") if n > 1 and not args.quick else ("tree",)):
                 tree = eagle_tree(5, n) if shape == "tree" else dt.DraftTree.chain([5] + list(range(2, n + 1)))
                 med, mem, leaves, r = run_case(engine, req, tree, args.device, reps)
@@ -186,21 +195,28 @@ def main(argv=None):
                        "per_path_over_tree": med["per_path"] / med["tree"], "tree_peak_bytes": mem["tree"],
                        "chain_peak_bytes": mem["chain"], "cache_bytes": base,
                        "extra_mem_frac": (mem["tree"] - mem["chain"]) / (base + mem["chain"]),
+                       "kv_read_bytes": floor.kv_s * HBM_BYTES_PER_S,
                        "floor_s": floor.seconds, "floor_weights_s": floor.weights_s, "floor_kv_s": floor.kv_s,
                        "floor_flops_s": floor.flops_s, "tree_over_floor": med["tree"] / floor.seconds}
                 records.append(rec)
                 line = (f"{ctx:>7} {n:>3} {rec['shape']:>5} {leaves:>6} {r:>5.2f} {1e3 * med['tree']:>9.1f} "
                         f"{1e3 * med['chain']:>9.1f} {1e3 * med['per_path']:>9.1f} {rec['tree_over_chain']:>10.3f} "
                         f"{rec['per_path_over_tree']:>9.2f} {mem['tree'] / 2**20:>8.1f} {mem['chain'] / 2**20:>8.1f} "
-                        f"{1e3 * floor.seconds:>9.3f} {rec['tree_over_floor']:>10.0f}")
-                lines.append(line)
+                        f"{rec['kv_read_bytes'] / 2**20:>8.1f} {1e3 * floor.seconds:>9.3f} {rec['tree_over_floor']:>10.0f}")
+                lines.append(((ctx, n, shape), line))
                 print(line if len(lines) > 1 else header + "\n" + line, file=sys.stderr, flush=True)
-        engine.release(req)
-        del req
+            engine.release(req)
+            del req
+            gc.collect()
+        del engine
         gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    lines = [line for _, line in sorted(lines)]
     print(f"machine: {machine}; {dtype}; medians of {reps} interleaved repetitions; "
           "R = rows over all root-to-leaf paths / N; MB = peak memory above the committed state during one call; "
-          "floor = H200 roofline of the tree step (benchmarks/roofline.py)")
+          "read_MB = the KV bytes the tree step's kernels must read; floor = H200 roofline of the tree step "
+          "(both benchmarks/roofline.py); each N runs on its own engine (num_draft_tokens = N)")
     print(header)
     print("\n".join(lines))
     if args.plot:
@@ -208,7 +224,7 @@ def main(argv=None):
     trees = [r for r in records if r["shape"] == "topk4" and r["N"] == 8] or [r for r in records if r["shape"] == "topk4"]
     head = min(trees, key=lambda r: abs(r["context"] - 65536))
     summary = {k: head[k] for k in ("tree_over_chain", "per_path_over_tree", "path_rows_over_n", "leaves",
-                                    "extra_mem_frac", "context", "N", "floor_s", "tree_over_floor")}
+                                    "extra_mem_frac", "context", "N", "kv_read_bytes", "floor_s", "tree_over_floor")}
     summary.update(machine=machine, dtype=str(dtype), kv_cache_dtype=args.kv_cache_dtype, backend=args.backend, records=records)
     print(json.dumps(summary))
 
