@@ -268,6 +268,8 @@ def main(argv=None):
     ap.add_argument("--dspark-trees", action="store_true", help="DSpark trees instead of the default cases: at "
                     "each --budgets width (default 6,8,12,16) the DSpark chain (N = gamma + 1), Markov and DDTree-style "
                     "trees at topk 2 and 4, the MTP tree, and the size policy; with the branching mechanism's counts")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: run only the cases whose label holds "
+                    "one of them (HF generate always runs)")
     ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
                     "per single-request case)")
     args = ap.parse_args(argv)
@@ -343,6 +345,11 @@ def main(argv=None):
         cases, sizes = dspark_tree_cases(load_dspark(model).block_size, budgets), []
     else:
         cases = single_cases(budgets, args.depth_sweep)
+    if args.only:
+        keep = [x for x in args.only.split(",") if x]
+        cases = [c for c in cases if any(x in c[0] for x in keep)]
+        if not cases:
+            ap.error(f"--only {args.only!r} matches no case")
     batch_prompts = [heldout_prompt(args.prompt_len, 100 + seed) for seed in range(max(sizes, default=0))]
     jobs = [(hf_generate, (model, prompts, new))]
     jobs += [(run_dspark if kind.startswith("dspark") and topk > 1 else run_single,

@@ -165,6 +165,17 @@ def test_bench_accept_dspark_trees_small_run_matches_hf_and_counts_the_mechanism
     assert max(int(n) for n in cases["DSpark size policy, N<=6 topk 4"]["nodes_per_round"]) <= 6
 
 
+def test_bench_accept_only_runs_the_cases_named(capsys):
+    bench = _bench_accept()
+    bench.main(["--dspark-trees", "--only", "size policy,chain DSpark", "--prompts", "1", "--prompt-len", "64",
+                "--new-tokens", "6", "--budgets", "6", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"] for r in out["records"]] == ["HF generate (its own cache)", "chain DSpark N=6",
+                                                   "DSpark size policy, N<=6 topk 4"]
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "no such case", "--repeats", "1"])
+
+
 def test_bench_accept_mechanism_counts_siblings_and_continuations():
     import dsv4_tree as dt
 

@@ -34,7 +34,7 @@ from ..tree.draft_tree import DraftTree
 from ..verify.sampling import target_probs
 from .base import TreeShape
 from .dspark_cache import DSparkContext, bring_up
-from .depth import candidate_depths
+from .depth import _depths_of, candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
@@ -249,7 +249,7 @@ class DSparkDrafter:
         b = len(requests)
         pool = torch.cat([x.reshape(b, -1) for x in values], 1)  # [B, P]
         if self._measuring:
-            depths = candidate_depths(torch.arange(pool.shape[1]), k).numpy()
+            depths = _depths_of(pool.shape[1], k)
             nodes = agree_choice(self.model, policy.choose(pool.double().numpy(), depths))  # rank 0 decides
             org = organize_draft_results(values, tokens, parents, nodes)
             policy.drafted(requests, nodes, pool.gather(1, org.top_scores_index).numpy(),

@@ -21,6 +21,7 @@ measured. Verify is exact for any tree, so the choice
 changes speed only; on several ranks rank 0's choice is every rank's (the drafter broadcasts it)."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -37,11 +38,13 @@ PROBE_EVERY = 16  # rounds between probes of the size far from the choice (keeps
 class CostLine:
     """Round seconds against nodes per request at one batch size: a least-squares line through
     the median of each size's recent samples (weighted by their count). Medians, because a
-    shared machine's load only ever adds time, in spikes that a mean would follow."""
+    shared machine's load only ever adds time, in spikes that a mean would follow. The line is
+    refitted when a sample arrives (once a round), not when it is read."""
 
     samples: dict = field(default_factory=dict)  # nodes -> [(round, seconds)], newest last
     rounds: int = 0
     last_probe: int = 0
+    _fit: tuple | None = None
 
     def add(self, nodes: int, seconds: float) -> None:
         self.rounds += 1
@@ -52,16 +55,20 @@ class CostLine:
                 self.samples[n] = kept
             else:
                 del self.samples[n]
+        self._fit = self._refit()
 
     def probe_due(self) -> bool:
         return self.rounds - self.last_probe >= PROBE_EVERY
 
     def line(self) -> tuple | None:
         """(seconds at 0 nodes, seconds per node), or None while fewer than two sizes are measured."""
+        return self._fit
+
+    def _refit(self) -> tuple | None:
         if len(self.samples) < 2:
             return None
         n = np.array(list(self.samples), dtype=np.float64)
-        t = np.array([np.median([x[1] for x in v]) for v in self.samples.values()])
+        t = np.array([statistics.median(x[1] for x in v) for v in self.samples.values()])
         w = np.array([len(v) for v in self.samples.values()], dtype=np.float64)
         nm, tm = (w * n).sum() / w.sum(), (w * t).sum() / w.sum()
         slope = (w * (n - nm) * (t - tm)).sum() / (w * (n - nm) ** 2).sum()
