@@ -8,6 +8,7 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_topk           <-> ref_indexer_topk           (kernels/tree_indexer.py; reference in reference/indexer_topk.py)
   hc_pre / hc_post       <-> ref_hc_pre / ref_hc_post   (kernels/hc.py; reference in reference/hc.py)
+  move_records           <-> the torch commit           (kernels/commit_moves.py; serving/commit.py: apply_moves)
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
@@ -24,6 +25,7 @@ _MODULE_OF = {
     "indexer_paged_scores": "indexer_gather",
     "indexer_topk": "tree_indexer",
     "indexer_topk_scores": "tree_indexer",
+    "move_records": "commit_moves",
     "pool_entries": "compressor",
     "sparse_decode": "sparse_decode",
 }

@@ -11,32 +11,86 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError, InputError
 from .pages import PageTable
 from .pools import LayerPools, Layout
 
 
 @dataclass(frozen=True)
 class SlotMoves:
-    """Copies of one commit, for all requests at once (host tensors until applied)."""
+    """Copies of one commit, for all requests at once (host tensors until applied).
 
-    recent_src: torch.Tensor  # [M] recent slots (raw rows and compressor rows move together)
-    recent_dst: torch.Tensor  # [M]
-    entry_src: dict  # ratio -> [K] scratch entry slots
-    entry_dst: dict  # ratio -> [K] committed entry slots
+    Move group 0 is the recent slots (raw rows and compressor rows move together), group 1 + i
+    the entries of the i-th ratio (ascending); within a group, request by request in the
+    order given, each request's moves by depth."""
+
+    src: torch.Tensor  # [M] int64 source slots, group after group
+    dst: torch.Tensor  # [M] int64 destination slots
+    bounds: torch.Tensor  # [G, R + 1] int64: group g's moves of request r are src[bounds[g, r]:bounds[g, r + 1]]
+    counts: tuple  # G host ints: moves per group
+    ratios: tuple  # the entry groups' ratios, ascending
     # int64 index tensors the caller needs on the device with the moves (the engine's rows of
     # the accepted nodes); they travel in the same copy
     carried: tuple = ()
 
+    def _group(self, t: torch.Tensor, g: int) -> torch.Tensor:
+        start = sum(self.counts[:g])
+        return t[start:start + self.counts[g]]
+
+    @property
+    def recent_src(self) -> torch.Tensor:  # [counts[0]]
+        return self._group(self.src, 0)
+
+    @property
+    def recent_dst(self) -> torch.Tensor:  # [counts[0]]
+        return self._group(self.dst, 0)
+
+    @property
+    def entry_src(self) -> dict:  # ratio -> scratch entry slots
+        return {m: self._group(self.src, 1 + i) for i, m in enumerate(self.ratios)}
+
+    @property
+    def entry_dst(self) -> dict:  # ratio -> committed entry slots
+        return {m: self._group(self.dst, 1 + i) for i, m in enumerate(self.ratios)}
+
     def to(self, device) -> "SlotMoves":
-        """All moves (and the carried tensors) on `device` through one host-to-device copy of
-        one packed buffer."""
-        ratios = sorted(self.entry_src)
-        parts = [self.recent_src, self.recent_dst] + [x for m in ratios for x in (self.entry_src[m], self.entry_dst[m])]
-        parts += list(self.carried)
+        """All moves, their bounds and the carried tensors on `device` through one
+        host-to-device copy of one packed buffer."""
+        parts = [self.src, self.dst, self.bounds.reshape(-1)] + list(self.carried)
         flat = torch.cat(parts).to(device, non_blocking=True).split([p.numel() for p in parts])
-        k = 2 + 2 * len(ratios)
-        return SlotMoves(flat[0], flat[1], {m: flat[2 + 2 * i] for i, m in enumerate(ratios)},
-                         {m: flat[3 + 2 * i] for i, m in enumerate(ratios)}, tuple(flat[k:]))
+        return SlotMoves(flat[0], flat[1], flat[2].view(self.bounds.shape), self.counts, self.ratios, tuple(flat[3:]))
+
+
+@dataclass(frozen=True)
+class PoolSegments:
+    """Every pool of every layer as byte segments, for the Triton commit (kernels/commit_moves.py)."""
+
+    table: torch.Tensor  # [num_segments, 6] int64 on the pools' device: base, group, page_size, page_bytes, first, width
+    max_width: int  # the widest segment, bytes
+    ratios: tuple  # the entry groups' ratios, ascending (SlotMoves.ratios)
+
+
+def _row_segment(rows: torch.Tensor) -> tuple:
+    """A contiguous [slots, width] tensor as one segment (base, page_size 1, row bytes, 0, row bytes)."""
+    if not rows.is_contiguous():
+        raise ConfigError(f"compressor rows must be contiguous for the Triton commit, strides {rows.stride()}")
+    width = rows.shape[1] * rows.element_size()
+    return (rows.data_ptr(), 1, width, 0, width)
+
+
+def pool_segments(pools: list, layout: Layout) -> PoolSegments:
+    """The segment table of `pools` (built once: pools never move)."""
+    ratios = tuple(sorted(layout.ratios))
+    rows = []
+    for lp in pools:
+        lp: LayerPools
+        rows += [(0, seg) for seg in lp.swa.byte_segments()]
+        for comp in lp.compressors:
+            rows += [(0, _row_segment(comp.rows_kv)), (0, _row_segment(comp.rows_gate))]
+            rows += [(1 + ratios.index(comp.ratio), seg) for seg in comp.entries.byte_segments()]
+    table = torch.tensor([[base, g, ps, pb, first, w] for g, (base, ps, pb, first, w) in rows], dtype=torch.int64)
+    device = pools[0].swa.storage.device
+    return PoolSegments(table.to(device), max(r[1][4] for r in rows), ratios)
 
 
 def _nodes(path) -> list:
@@ -51,8 +105,10 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths, carry=()
     Which rows move and which blocks close is host arithmetic on a few ints per request; the
     slot lookups then run once for the whole batch (none when nothing moves or closes, as in
     most plain decode steps)."""
+    ratios = tuple(sorted(layout.ratios))
     mv_rows, mv_src, mv_dst = [], [], []
-    closed = {m: ([], [], []) for m in layout.ratios}  # request row, node, first position of the block
+    closed = {m: ([], [], []) for m in ratios}  # request row, node, first position of the block
+    ends = [[0] for _ in range(1 + len(ratios))]  # per group: moves so far after each request
     for row, p, path in zip(rows, seq_lens, paths):
         for d, node in enumerate(_nodes(path)):
             if node != d:
@@ -64,27 +120,44 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths, carry=()
                     c_rows.append(row)
                     c_nodes.append(node)
                     c_first.append(p + d + 1 - m)
+        ends[0].append(len(mv_rows))
+        for i, m in enumerate(ratios):
+            ends[1 + i].append(len(closed[m][0]))
     empty = torch.zeros(0, dtype=torch.int64)
     ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
 
     def recent(rws, pos):
         return pages.recent_slots(pages.token_slots(ints(rws), ints(pos))) if rws else empty
 
-    ent_src, ent_dst = {}, {}
-    for m, (c_rows, c_nodes, c_first) in closed.items():
-        ent_src[m] = layout.scratch_slot(m, ints(c_rows), ints(c_nodes)) if c_rows else empty
-        ent_dst[m] = layout.entry_slot(m, pages.token_slots(ints(c_rows), ints(c_first))) if c_rows else empty
-    return SlotMoves(recent(mv_rows, mv_src), recent(mv_rows, mv_dst), ent_src, ent_dst, tuple(carry))
+    src, dst = [recent(mv_rows, mv_src)], [recent(mv_rows, mv_dst)]
+    for m in ratios:
+        c_rows, c_nodes, c_first = closed[m]
+        src.append(layout.scratch_slot(m, ints(c_rows), ints(c_nodes)) if c_rows else empty)
+        dst.append(layout.entry_slot(m, pages.token_slots(ints(c_rows), ints(c_first))) if c_rows else empty)
+    counts = tuple(e[-1] for e in ends)
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    bounds = ints([[start + e for e in group] for start, group in zip(starts, ends)])
+    return SlotMoves(torch.cat(src), torch.cat(dst), bounds, counts, ratios, tuple(carry))
 
 
 @torch.inference_mode()
-def apply_moves(pools: list, moves: SlotMoves, before_write=None) -> None:
+def apply_moves(pools: list, moves: SlotMoves, before_write=None, segments: PoolSegments | None = None) -> None:
     """Bitwise copies into every layer's pools (gather first, so overlapping moves are safe).
     before_write(): called once before the first copy. From then on the draft rows may be
     moved over (a move's destination can be another's source), so a commit that fails part-way
-    cannot be retried from them: the engine marks the verify output spent there."""
+    cannot be retried from them: the engine marks the verify output spent there.
+
+    segments (the Triton backend): every pool's copies in one kernel launch over the segment
+    table (kernels/commit_moves.py); without, the torch copies below (the reference)."""
+    if segments is not None and segments.ratios != moves.ratios:
+        raise InputError(f"commit moves for ratios {moves.ratios}, pool segments for {segments.ratios}")
     if before_write is not None:
         before_write()
+    if segments is not None:
+        from .. import kernels
+
+        kernels.move_records(segments.table, moves.src, moves.dst, moves.bounds, segments.max_width)
+        return
     rs, rd = moves.recent_src, moves.recent_dst
     for lp in pools:
         lp: LayerPools

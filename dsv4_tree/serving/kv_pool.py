@@ -97,6 +97,18 @@ class KVPool:
             return self.storage[slots].view(torch.uint8)
         return torch.cat(self._gather(slots), dim=1)
 
+    def byte_segments(self) -> list:
+        """The storage as (base address, page_size, page_bytes, first byte, width in bytes) per
+        segment: slot s of a segment lives at base + (s // page_size) * page_bytes + first +
+        (s % page_size) * width (an FP8 pool's data and scale records; a plain pool's rows)."""
+        base = self.storage.data_ptr()
+        if self.record is None:
+            row = self.head_dim * self.storage.element_size()
+            return [(base, 1, row, 0, row)]
+        layout, ps = self.record, self.page_size
+        return [(base, ps, self.page_bytes, 0, layout.data_bytes),
+                (base, ps, self.page_bytes, ps * layout.data_bytes, layout.scale_bytes)]
+
     def _byte_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat byte offsets of each slot's data record [n, data_bytes] and scale record [n, scale_bytes]."""
         layout, ps = self.record, self.page_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import step_shapes
-from .commit import SlotMoves, apply_moves, plan_moves
+from .commit import SlotMoves, apply_moves, plan_moves, pool_segments
 from .pages import PageTable
 from .pools import Layout, build_pools
 from .state_view import committed_view
@@ -42,6 +42,8 @@ class ServingRuntime:
         self.device_pages = DevicePages(spec.max_requests, self.pages.pages_per_request,
                                         self.layout.num_token_pages, spec.page_size, model.device)
         self.max_nodes = limits.max_nodes
+        # the Triton backend commits every pool's moves in one launch over this byte-segment table
+        self.segments = pool_segments(self.pools, self.layout) if spec.attention_backend == "triton" else None
 
     def admit(self) -> int:
         return self.pages.admit()
@@ -91,7 +93,7 @@ class ServingRuntime:
     def apply_commit(self, moves: SlotMoves, rows, new_lengths, before_write=None) -> None:
         """Apply prepared moves, then free pages past new_lengths and recent pages before
         new_lengths - R."""
-        apply_moves(self.pools, moves, before_write)
+        apply_moves(self.pools, moves, before_write, self.segments)
         self.pages.shrink(rows, new_lengths)
         self.pages.evict(rows, [n - self.layout.recent_window for n in new_lengths])
 
