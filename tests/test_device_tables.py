@@ -60,9 +60,6 @@ def compare(got: dict, ref, label: str) -> None:
             want = rc.entries[row]
             assert int(rc.entry_len[row]) == n_e + n_b, f"{label}: C{m} row {row} length"
             assert torch.equal(lst, want[: n_e + n_b]) and (want[n_e + n_b:] == -1).all(), f"{label}: C{m} row {row}"
-            if ct.row_entries is not None:
-                assert torch.equal(ct.row_entries[row, : n_e + n_b], lst) and (ct.row_entries[row, n_e + n_b:] == -1).all()
-                assert int(ct.row_len[row]) == n_e + n_b
 
 
 def check_padding(got: dict, real_rows: int, layout: Layout) -> None:

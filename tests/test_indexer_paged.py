@@ -46,7 +46,7 @@ def case(sizes, lens, c, kb, h, d, seed, device):
         lst = torch.cat([entry_slots[row_req[r], : lens[row_req[r]]], branch[r, : branch_len[r]]])
         table[r, : lst.numel()] = lst
     ct = CompressTables(4, None, None, None, None, pages.to(device), EPP, torch.tensor(lens, device=device),
-                        branch.to(device), branch_len.to(device), None, None)
+                        branch.to(device), branch_len.to(device))
     q, w = torch.randn(t, h, d, generator=g).to(device), torch.randn(t, h, generator=g).to(device)
     return q, w, keys, ct, groups, table.to(device), entry_slots.to(device)
 

@@ -11,8 +11,9 @@ captured in one CUDA graph with the forward.
 
 What is never built: a row's list of committed entries. Committed C4 / C128 entries are a
 per-request page-table form (`entry_pages` [B, C / epp] + `entry_len` [B]); the indexer scores them
-once per request (attention/indexer.py) and each row adds its own branch entries [T, Kb].
-Only ratios without an indexer (C128) also get SGLang's per-row `c128_page_indices` form.
+once per request (attention/indexer.py), C128's attention reads them once per group of rows,
+and each row adds its own branch entries [T, Kb] (tests/test_step_memory.py: no rows x context
+tensor in the build or the forward).
 The host builder this must equal bit for bit is reference/tables.py."""
 from __future__ import annotations
 
@@ -80,8 +81,6 @@ class CompressTables:
     entry_len: torch.Tensor  # [B] committed entries P // m
     branch: torch.Tensor  # [T, Kb] branch entry slots along path(row) in block order, -1 padding
     branch_len: torch.Tensor  # [T]
-    row_entries: torch.Tensor | None  # [T, C + Kb] (ratios without indexer) committed then branch, -1 pad
-    row_len: torch.Tensor | None  # [T]
 
 
 @dataclass(frozen=True)
@@ -236,15 +235,8 @@ def _compress(r: _Rows, pages: TokenPages, layout: Layout, req_pool_indices, seq
     entry_pages, epp = committed_entry_pages(pages, layout, req_pool_indices, m, width)
     # branch entries, per row: closed on its path at positions first_close, first_close + m, ...
     branch, n_vis = branch_entries(r.anc, r.pos, r.seq_len, r.valid, scratch, m)
-    row_entries = row_len = None
-    if not overlap:  # no indexer reads this ratio: every row lists all it sees (c128_page_indices)
-        ne = torch.where(r.valid, n_e[r.req], 0)
-        jc = torch.arange(width + branch.shape[1], device=dev).clamp(max=width - 1)
-        committed = entry_pages[r.req.unsqueeze(1), jc // epp].long() * epp + jc % epp
-        row_entries = append_branch(committed, ne, branch, n_vis)
-        row_len = ne + n_vis
     return CompressTables(m, closes, entry_out, torch.where(closes, block * m, 0), src, entry_pages, epp, n_e,
-                          branch, n_vis, row_entries, row_len)
+                          branch, n_vis)
 
 
 def build_tables(pages: TokenPages, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
