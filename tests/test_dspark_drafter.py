@@ -215,7 +215,7 @@ def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
     assert torch.equal(hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate), want)
     specs = {(k[0].eagle_topk, k[0].num_steps, k[0].num_draft_tokens) for k in hf.__dict__["_dsv4_tree_engines"]}
     assert specs == {(1, 5, 6)}, "the shipped DSpark module's chain (gamma = 5)"
-    with pytest.raises(dt.ConfigError, match=r"dsv4_eagle_topk=1, dsv4_num_steps=3, dsv4_num_draft_tokens=4: .*"
+    with pytest.raises(dt.ConfigError, match=r"dsv4_eagle_topk=1, dsv4_num_steps=3, dsv4_num_draft_tokens=None: .*"
                        r"num_steps=3 \(needs 5\)"):
         hf.generate(ids, max_new_tokens=4, custom_generate=dt.custom_generate, dsv4_num_steps=3)
     tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
@@ -321,8 +321,12 @@ def test_the_cli_drafts_with_the_shipped_dspark(capsys):
     out = capsys.readouterr().out
     assert "topk=1 num_steps=5 num_draft_tokens=6" in out and "PASS" in out
     assert main(["generate", "--drafter", "dspark", "--max-new-tokens", "12", "--prompt-len", "40"]) == 0
-    assert main(["generate", "--drafter", "dspark", "--topk", "4", "--max-new-tokens", "4"]) == 2
+    assert main(["generate", "--drafter", "dspark", "--topk", "4", "--max-new-tokens", "4"]) == 0  # its tree
+    capsys.readouterr()
+    assert main(["generate", "--drafter", "dspark", "--num-steps", "3", "--max-new-tokens", "4"]) == 2
     assert "drafts a chain of dspark_block_size=5 tokens" in capsys.readouterr().err
+    assert main(["generate", "--drafter", "dspark", "--topk", "4", "--num-steps", "6", "--max-new-tokens", "4"]) == 2
+    assert "at most dspark_block_size=5 deep" in capsys.readouterr().err
 
 
 def test_meta_proxy_features_and_the_dspark_pass_stay_on_device():
