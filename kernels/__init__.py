@@ -8,6 +8,7 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_topk           <-> ref_indexer_topk           (kernels/tree_indexer.py; reference in reference/indexer_topk.py)
   hc_pre / hc_post       <-> ref_hc_pre / ref_hc_post   (kernels/hc.py; reference in reference/hc.py)
+  fp8_store              <-> KVPool.write (FP8 kv)   (kernels/fp8_store.py; serving/records.py: quantize_rows)
   move_records           <-> the torch commit           (kernels/commit_moves.py; serving/commit.py: apply_moves)
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
@@ -19,6 +20,7 @@ would make `import transformers` pay for Triton, or fail where Triton is not ins
 import importlib
 
 _MODULE_OF = {
+    "fp8_store": "fp8_store",
     "hc_post": "hc",
     "hc_pre": "hc",
     "indexer_gather_scores": "indexer_gather",

@@ -42,6 +42,7 @@ class KVPool:
         self.page_size, self.kv_dtype, self.kind = page_size, kv_dtype, kind
         self.compute_dtype = compute_dtype
         self.device = torch.device(device)
+        self._store = None  # (pool, slots, rows) -> None: the write as one kernel (use_kernels)
         self.num_pages = -(-num_slots // page_size)
         self.record: RecordLayout | IndexKeyLayout | None = None  # the FP8 record format (FP8 pools only)
         if kv_dtype == "fp8_e4m3":
@@ -55,6 +56,14 @@ class KVPool:
             self.bytes_per_token = head_dim * self.storage.element_size()
             self.page_bytes = page_size * self.bytes_per_token
 
+    def use_kernels(self) -> None:
+        """The Triton backend: an FP8 K=V pool quantises and stores each write in one kernel
+        (kernels/fp8_store.py, byte-equal to the torch writer); other pools keep their writes."""
+        if self.record is not None and self.kind == "kv":
+            from .. import kernels
+
+            self._store = kernels.fp8_store
+
     def __repr__(self) -> str:
         return (f"KVPool(kind={self.kind!r}, kv_dtype={self.kv_dtype!r}, num_slots={self.num_slots}, "
                 f"head_dim={self.head_dim}, rope_dim={self.rope_dim}, page_size={self.page_size}, "
@@ -67,6 +76,8 @@ class KVPool:
                              f"got slots {tuple(slots.shape)} rows {tuple(rows.shape)}")
         if self.record is None:
             self.storage[slots] = rows.to(self.storage.dtype)
+        elif self._store is not None:
+            self._store(self, slots.to(torch.int64), rows)
         else:
             self._scatter(slots, *quantize_rows(rows, self.record))
 

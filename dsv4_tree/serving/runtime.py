@@ -44,6 +44,10 @@ class ServingRuntime:
         self.max_nodes = limits.max_nodes
         # the Triton backend commits every pool's moves in one launch over this byte-segment table
         self.segments = pool_segments(self.pools, self.layout) if spec.attention_backend == "triton" else None
+        if spec.attention_backend == "triton":  # FP8 K=V writes as one kernel each
+            for lp in self.pools:
+                for pool in (lp.swa, *(c.entries for c in lp.compressors)):
+                    pool.use_kernels()
 
     def admit(self) -> int:
         return self.pages.admit()
