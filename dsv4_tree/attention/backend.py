@@ -36,7 +36,7 @@ def get_backend(name: str) -> AttentionOps:
 
             return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores,
                                 kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk,
-                                hc_post=kernels.hc_post)  # kernels.hc_pre: design_notes/fewer-ops.md
+                                hc_pre=kernels.hc_pre, hc_post=kernels.hc_post)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")
