@@ -61,7 +61,7 @@ class Run(NamedTuple):
     verify_seconds: float
     depth: object = None  # the adaptive policy's DepthState after the run (None: fixed depth)
     lengths: tuple = ()  # tokens emitted per round (accepted drafts + bonus), every round of every prompt
-    mechanism: dict | None = None  # DSpark trees: `mechanism` of the run
+    mechanism: tuple | None = None  # fixed-size DSpark trees: (logs, prompts) for `mechanism`, read after timing
     sizes: tuple = ()  # DSpark trees: nodes drafted per round
 
 
@@ -90,7 +90,8 @@ def dspark_cases(gamma: int) -> list:
             ("tree MTP N=8 topk 4", "mtp", 4, TREE_STEPS[8][1], 8, "fixed")]
 
 
-# MTP topk-4 tree steps at the DSpark comparison's widths (6 and 12 beside TREE_STEPS' 8 and 16)
+# MTP topk-4 tree steps at the DSpark comparison's widths (6 and 12 beside TREE_STEPS' 8 and 16;
+# other widths: 3)
 MTP_TREE_STEPS = {6: 2, 8: TREE_STEPS[8][1], 12: 3, 16: TREE_STEPS[16][1]}
 
 
@@ -104,7 +105,7 @@ def dspark_tree_cases(gamma: int, budgets) -> list:
             if n - 1 <= k + (gamma - 1) * k * k:
                 cases += [(f"tree DSpark N={n} topk {k}", "dspark", k, gamma, n, "fixed"),
                           (f"DDTree-style N={n} topk {k}", "dspark-base", k, gamma, n, "fixed")]
-        cases.append((f"tree MTP N={n} topk 4", "mtp", 4, MTP_TREE_STEPS[n], n, "fixed"))
+        cases.append((f"tree MTP N={n} topk 4", "mtp", 4, MTP_TREE_STEPS.get(n, 3), n, "fixed"))
     top = max(budgets)
     cases.append((f"DSpark size policy, N<={top} topk 4", "dspark", 4, gamma, top, "adaptive"))
     return cases
@@ -113,7 +114,8 @@ def dspark_tree_cases(gamma: int, budgets) -> list:
 def mechanism(logs, prompts, outputs) -> dict:
     """Where a tree's branches pay, from whole runs: each draft's tree against the tokens greedy
     actually produced at its positions. logs: per prompt [(seq_len at the draft, DraftTree)].
-    spine = the root's first child, its first child, ... (the chain's argmax path); at the first
+    spine = the root's first child, its first child, ... (the chain's argmax path, in a fixed-size
+    tree: a rank-0 child has the lowest candidate id of its siblings and is kept first); at the first
     depth whose spine token is not the target's: is a sibling the target's token; after an
     accepted sibling: does it hold the target's next token among its children (+1), and that
     child the one after (+2)."""
@@ -177,7 +179,7 @@ def run_dspark(model, prompts, new_tokens, eos, kind, topk, steps, nodes, depth=
     return Run(outs, rounds, rounds, [None] * rounds, None, sum(sum(x.round_draft_seconds) for x in st),
                sum(sum(x.round_verify_seconds) for x in st), st[-1].depth,
                tuple(n for x in st for n in x.accept_lengths),
-               mechanism(logs, prompts, outs) if topk > 1 else None,
+               (logs, prompts) if depth == "fixed" else None,  # sized trees may drop a rank-0 child: no spine
                tuple(t.num_nodes for log in logs for _, t in log))
 
 
@@ -268,8 +270,8 @@ def main(argv=None):
     ap.add_argument("--dspark-trees", action="store_true", help="DSpark trees instead of the default cases: at "
                     "each --budgets width (default 6,8,12,16) the DSpark chain (N = gamma + 1), Markov and DDTree-style "
                     "trees at topk 2 and 4, the MTP tree, and the size policy; with the branching mechanism's counts")
-    ap.add_argument("--only", default=None, help="comma-separated substrings: run only the cases whose label holds "
-                    "one of them (HF generate always runs)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: run only the single-request cases whose "
+                    "label holds one of them (HF generate, and the generate_batch rows of the default cases, always run)")
     ap.add_argument("--count-ops", action="store_true", help="also aten ops per generated token (one untimed run "
                     "per single-request case)")
     args = ap.parse_args(argv)
@@ -319,7 +321,7 @@ def main(argv=None):
         if run is not None and run.lengths:
             rec["acceptance_by_depth"] = acceptance_by_depth(run.lengths, max(run.lengths) - 1)
         if run is not None and run.mechanism is not None:
-            rec["mechanism"] = run.mechanism
+            rec["mechanism"] = mechanism(*run.mechanism, run.tokens)
         if run is not None and run.sizes:
             rec["nodes_per_round"] = {str(n): run.sizes.count(n) for n in sorted(set(run.sizes))}  # JSON keys
         if run is not None and run.depth is not None and hasattr(run.depth, "step_seconds"):

@@ -160,7 +160,7 @@ def test_bench_accept_dspark_trees_small_run_matches_hf_and_counts_the_mechanism
     assert all(r["output_equals_hf"] for r in out["records"]), out["records"]
     tree = cases["tree DSpark N=6 topk 2"]
     assert set(tree["nodes_per_round"]) == {"6"}  # fixed size: every round drafts all 6 nodes
-    assert tree["mechanism"]["sibling_hits"] <= tree["mechanism"]["mismatches"]
+    assert tree["mechanism"]["mismatches"] > 0 and "mechanism" not in cases["DSpark size policy, N<=6 topk 4"]
     assert any(line.startswith("mechanism, tree DSpark N=6 topk 2:") for line in text)
     assert max(int(n) for n in cases["DSpark size policy, N<=6 topk 4"]["nodes_per_round"]) <= 6
 

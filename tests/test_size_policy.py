@@ -112,9 +112,16 @@ def test_end_round_times_the_round_at_its_size_and_calibrates_uncut_requests():
     clock.t += 0.25
     a.seq_len, b.seq_len = 13, 21  # a accepted 2 drafts, b none
     pol.end_round([a, b], cut=[2])
-    assert pol.costs[2].samples == {3: [(1, pytest.approx(0.25))]}
+    assert 2 not in pol.costs  # b's round was cut short: the round is not timed at its size
     assert pol.accepted_mass[:2] == [1.0, 1.0] and pol.predicted_mass[:2] == pytest.approx([0.9, 0.5])
     assert pol.state().last_nodes == 3 and pol.state().rounds_observed == 1
+    pol.begin()
+    pol.drafted([a, b], 2, np.array([[0.5], [0.5]]), np.array([[1], [1]]))
+    clock.t += 0.5
+    a.seq_len, b.seq_len = 14, 23
+    pol.end_round([a, b])
+    assert pol.costs[2].samples == {2: [(1, pytest.approx(0.5))]}
+    assert pol.accepted_mass[0] == pytest.approx(0.98 + 1) and pol.state().rounds_observed == 2
 
 
 @pytest.fixture(scope="module")

@@ -185,6 +185,11 @@ class DSparkDrafter:
                               f"{TreeShape.from_spec(engine.spec)} (build the drafter for the engine's spec)")
         if not isinstance(requests, (list, tuple)) or not requests:
             raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
+        size = depth_for(self.size, engine.spec, "DSparkDrafter(size") if self.shape.topk > 1 else None
+        if size == "adaptive":  # the policy times whole rounds: from here to end_round
+            if self.policy is None:
+                self.policy = SizePolicy(self.shape.num_steps, self.shape.num_draft_tokens, self.clock)
+            self.policy.begin()
         contexts = self._contexts(requests)
         staged = [DSparkContext(c.tables, c.seq_len) for c in contexts]  # kept only if the draft succeeds
         bring_up(model, module, staged, requests)
@@ -195,8 +200,7 @@ class DSparkDrafter:
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
                          block_index(lengths, module.block_size).to(dev))
-        if self.shape.topk > 1:
-            size = depth_for(self.size, engine.spec, "DSparkDrafter(size")
+        if size is not None:
             trees = self._tree(requests, blk, anchors, size)
             self._keep(requests, staged)
             return trees
@@ -238,10 +242,6 @@ class DSparkDrafter:
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         policy = self.policy
         self._measuring = size == "adaptive"
-        if self._measuring and policy is None:
-            policy = self.policy = SizePolicy(steps, n, self.clock)
-        if self._measuring:
-            policy.begin()
         exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record)
         cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
         scores, tokens, parents, values = (cpu(x) for x in (exp.score_list, exp.token_list, exp.parents_list,

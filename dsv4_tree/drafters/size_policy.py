@@ -8,8 +8,10 @@ best n - 1 candidates by value, an ancestor-closed set (ties: lower candidate id
 parent, first). The count maximises
 
     expected committed tokens (n) / round seconds (n)
-    = sum over requests of (1 + sum of its best n - 1 calibrated values) / (a_B + b_B n)
+    = sum over requests of (1 + calibrated value of its best n - 1 candidates) / (a_B + b_B n)
 
+(best by raw value, which keeps the selection ancestor-closed; each summed at its depth's
+calibration)
 where the calibration per depth is accepted / predicted value mass from what verify accepted in
 earlier rounds (drafters/depth.py's `calibrate`, as the adaptive depth policy calibrates MTP
 scores), and a_B + b_B n is a least-squares line through the median measured seconds of whole
@@ -142,7 +144,8 @@ class SizePolicy:
         self._nodes = self.last_nodes = nodes
 
     def end_round(self, requests, cut=()) -> None:
-        """After commit: time the round at its size, calibrate on the requests not cut short."""
+        """After commit: time the round at its size unless a request's round was cut short (its
+        tree trimmed to the budget, its emission cut at EOS), calibrate on the requests not cut."""
         pend, self._pending = self._pending, None
         if pend is None:
             return
@@ -152,8 +155,9 @@ class SizePolicy:
         committed = [seq_len - pend.seq_lens[i] for i, seq_len in seen]
         if not seen or min(committed) < 1:
             return  # not a commit of this draft
-        self.costs.setdefault(len(pend.request_ids), CostLine()).add(self._nodes, now - pend.start)
         cut = set(cut)
+        if not cut & set(pend.request_ids):  # a round cut short (a trimmed tree, EOS) is not timed at its size
+            self.costs.setdefault(len(pend.request_ids), CostLine()).add(self._nodes, now - pend.start)
         whole = [(i, c) for (i, _), c in zip(seen, committed) if pend.request_ids[i] not in cut]
         add_mass(self.accepted_mass, self.predicted_mass, pend.mass, whole)
         self.rounds_observed += 1

@@ -87,10 +87,11 @@ def choose_tree(hf, gc, given: dict) -> tuple[str, SpecConfig]:
     topk, steps = dk if topk is None else topk, ds if steps is None else steps
     if nodes is None and (topk, steps) == (dk, ds):
         nodes = dn
-    if drafter == "dspark" and nodes is None and topk > 1:  # its Markov tree: the CLI's --topk default size
-        nodes = default_tree_nodes(topk, steps)
     if drafter == "dspark":  # the drafter's own shape rules, by our keys' names
         try:
+            TreeShape(topk, steps, 1)  # ints >= 1, before any arithmetic on them
+            if nodes is None and topk > 1:  # its Markov tree: the CLI's --topk default size
+                nodes = default_tree_nodes(topk, steps)
             check_chain_shape(TreeShape(topk, steps, nodes if nodes is not None else steps + 1), ds)
         except ConfigError as exc:
             raise ConfigError(f"dsv4_eagle_topk={topk}, dsv4_num_steps={steps}, dsv4_num_draft_tokens={nodes}: "
