@@ -1,4 +1,4 @@
-"""FP8 K=V records quantised and stored in one launch: KVPool.write of a "kv" FP8 pool.
+"""FP8 records quantised and stored in one launch: KVPool.write of an FP8 pool.
 
     fp8_store(pool, slots, rows)      # == pool.write(slots, rows) on the torch path
 
@@ -6,8 +6,10 @@ One program per row: the nope part's per-tile UE8M0 scales (s = 2^ceil(log2(max(
 1e-4))), the ceil-log2 from the float32 bits), the e4m3 codes of x / s, the rope part as
 bfloat16, written straight into the row's data and scale records at its slot's byte offsets
 (serving/records.py has the layout; page p holds its tokens' data records, then their scale
-records). The torch path (serving/records.py: quantize_rows, then KVPool's byte scatter) is the
-reference; the records are byte-equal.
+records). An indexer-key pool's rows (kind "index_key"): every value e4m3 with one float32 scale
+per 128-value block, s = 2^ceil(log2(max(amax, 1e-4) / 448)). The torch path
+(serving/records.py: quantize_rows, then KVPool's byte scatter) is the reference; the records
+are byte-equal.
 
 Every rounding is integer arithmetic on the float32 bits, never a float -> fp8 / bf16 cast:
 triton 3.9's interpreter gets both wrong (it truncates fp32 -> bf16, and its fp32 -> e4m3 cast
@@ -84,11 +86,35 @@ def _fp8_store_kernel(rows_ptr, slots_ptr, out_ptr, stride_row, page_size, page_
     tl.store(scale_at + rs, tl.where(rs < N_TILES, e_at, 0).to(tl.uint8), mask=rs < SCALE_BYTES)
 
 
+@triton.jit
+def _fp8_index_key_kernel(rows_ptr, slots_ptr, out_ptr, stride_row, page_size, page_bytes,
+                          DIM: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slots_ptr + i)
+    page = (slot // page_size) * page_bytes
+    data_at = out_ptr + page + (slot % page_size) * DIM
+    scale_at = out_ptr + page + page_size * DIM + (slot % page_size) * (4 * N_BLOCKS)
+    row = rows_ptr + i.to(tl.int64) * stride_row
+    rb = tl.arange(0, BLOCKS_P2)
+    col = rb[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    live = col < DIM
+    x = tl.load(row + col, mask=live, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    y = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)  # clamp, then divide (the indexer-key rule)
+    ybits = y.to(tl.uint32, bitcast=True)
+    e = (ybits >> 23).to(tl.int32) - 127 + ((ybits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((127 - e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    tl.store(data_at + col, _e4m3_code(x * inv[:, None]), mask=live)
+    sbits = (e + 127).to(tl.uint32) << 23  # the float32 2^e, little-endian bytes
+    for k in tl.static_range(4):
+        tl.store(scale_at + 4 * rb + k, ((sbits >> (8 * k)) & 0xFF).to(tl.uint8), mask=rb < N_BLOCKS)
+
+
 def fp8_store(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool: a KVPool of kind "kv" with kv_cache_dtype "fp8_e4m3"; slots int64 [n] (in range: the
-    caller's guarantee, as KVPool.write); rows [n, head_dim] float, finite."""
-    if pool.record is None or pool.kind != "kv":
-        raise InputError(f"fp8_store writes FP8 K=V records, got {pool!r}")
+    """pool: an FP8 KVPool (kv_cache_dtype "fp8_e4m3", kind "kv" or "index_key"); slots int64 [n]
+    (in range: the caller's guarantee, as KVPool.write); rows [n, head_dim] float, finite."""
+    if pool.record is None:
+        raise InputError(f"fp8_store writes FP8 records, got {pool!r}")
     check_device(slots, rows, pool.storage)
     check("slots", slots, 1, (torch.int64,))
     check("rows", rows, 2, FLOATS, contiguous=False)
@@ -98,6 +124,11 @@ def fp8_store(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
     if slots.shape[0] == 0:
         return
     rec = pool.record
+    if pool.kind == "index_key":
+        _fp8_index_key_kernel[(slots.shape[0],)](
+            rows, slots, pool.storage, rows.stride(0), pool.page_size, pool.page_bytes,
+            DIM=rec.dim, BLOCK=rec.block, N_BLOCKS=rec.n_blocks, BLOCKS_P2=pow2(rec.n_blocks, 1))
+        return
     _fp8_store_kernel[(slots.shape[0],)](
         rows, slots, pool.storage, rows.stride(0), pool.page_size, pool.page_bytes,
         NOPE=rec.nope_dim, ROPE=rec.rope_dim, TILE=rec.tile, N_TILES=rec.n_tiles, SCALE_BYTES=rec.scale_bytes,

@@ -57,9 +57,9 @@ class KVPool:
             self.page_bytes = page_size * self.bytes_per_token
 
     def use_kernels(self) -> None:
-        """The Triton backend: an FP8 K=V pool quantises and stores each write in one kernel
+        """The Triton backend: an FP8 pool quantises and stores each write in one kernel
         (kernels/fp8_store.py, byte-equal to the torch writer); other pools keep their writes."""
-        if self.record is not None and self.kind == "kv":
+        if self.record is not None:
             from .. import kernels
 
             self._store = kernels.fp8_store
