@@ -8,8 +8,10 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_topk           <-> ref_indexer_topk           (kernels/tree_indexer.py; reference in reference/indexer_topk.py)
   hc_pre / hc_post       <-> ref_hc_pre / ref_hc_post   (kernels/hc.py; reference in reference/hc.py)
-  fp8_store              <-> KVPool.write (FP8 kv)   (kernels/fp8_store.py; serving/records.py: quantize_rows)
+  fp8_store              <-> the torch FP8 writer       (kernels/fp8_store.py; serving/records.py: quantize_rows + KVPool's scatter)
   move_records           <-> the torch commit           (kernels/commit_moves.py; serving/commit.py: apply_moves)
+Data movement and the FP8 codec have their readable torch path in serving/ (the torch backend
+runs it); those kernels are compared with it byte for byte.
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
 On CPU they run under TRITON_INTERPRET=1 (set before triton is imported).
 
