@@ -88,6 +88,17 @@ def test_triton_commit_refuses_moves_of_other_ratios_before_writing():
     assert not called and all(torch.equal(t, b) for t, b in zip(_storages(rt), before))
 
 
+def test_triton_commit_refuses_pools_whose_storage_moved():
+    rt, rows, paths, segments = _mapped_batch("fp8_e4m3", [27], 16)
+    moves = rt.prepare_commit(rows, [27], paths)
+    old = rt.pools[1].swa.storage  # kept alive: the table still points at it
+    rt.pools[1].swa.storage = old.clone()
+    before = [t.clone() for t in _storages(rt)]
+    with pytest.raises(dt.StateError, match="moved"):
+        apply_moves(rt.pools, moves, segments=segments)
+    assert all(torch.equal(t, b) for t, b in zip(_storages(rt), before)) and old.data_ptr()
+
+
 def test_move_records_checks_its_arguments():
     from dsv4_tree import kernels
 

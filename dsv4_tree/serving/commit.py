@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, StateError
 from .pages import PageTable
 from .pools import LayerPools, Layout
 
@@ -68,6 +68,7 @@ class PoolSegments:
     table: torch.Tensor  # [num_segments, 6] int64 on the pools' device: base, group, page_size, page_bytes, first, width
     max_width: int  # the widest segment, bytes
     ratios: tuple  # the entry groups' ratios, ascending (SlotMoves.ratios)
+    bases: tuple  # host ints: the table's base addresses (checked before each launch)
 
 
 def _row_segment(rows: torch.Tensor) -> tuple:
@@ -78,9 +79,8 @@ def _row_segment(rows: torch.Tensor) -> tuple:
     return (rows.data_ptr(), 1, width, 0, width)
 
 
-def pool_segments(pools: list, layout: Layout) -> PoolSegments:
-    """The segment table of `pools` (built once: pools never move)."""
-    ratios = tuple(sorted(layout.ratios))
+def _segment_rows(pools: list, ratios: tuple) -> list:
+    """(move group, segment) of every pool of every layer, in a fixed order."""
     rows = []
     for lp in pools:
         lp: LayerPools
@@ -88,9 +88,17 @@ def pool_segments(pools: list, layout: Layout) -> PoolSegments:
         for comp in lp.compressors:
             rows += [(0, _row_segment(comp.rows_kv)), (0, _row_segment(comp.rows_gate))]
             rows += [(1 + ratios.index(comp.ratio), seg) for seg in comp.entries.byte_segments()]
+    return rows
+
+
+def pool_segments(pools: list, layout: Layout) -> PoolSegments:
+    """The segment table of `pools`, built once (pools keep their storage for the runtime's life;
+    apply_moves checks that they still do before each launch)."""
+    ratios = tuple(sorted(layout.ratios))
+    rows = _segment_rows(pools, ratios)
     table = torch.tensor([[base, g, ps, pb, first, w] for g, (base, ps, pb, first, w) in rows], dtype=torch.int64)
     device = pools[0].swa.storage.device
-    return PoolSegments(table.to(device), max(r[1][4] for r in rows), ratios)
+    return PoolSegments(table.to(device), max(r[1][4] for r in rows), ratios, tuple(r[1][0] for r in rows))
 
 
 def _nodes(path) -> list:
@@ -151,6 +159,8 @@ def apply_moves(pools: list, moves: SlotMoves, before_write=None, segments: Pool
     table (kernels/commit_moves.py); without, the torch copies below (the reference)."""
     if segments is not None and segments.ratios != moves.ratios:
         raise InputError(f"commit moves for ratios {moves.ratios}, pool segments for {segments.ratios}")
+    if segments is not None and tuple(seg[0] for _, seg in _segment_rows(pools, segments.ratios)) != segments.bases:
+        raise StateError("the pools' storage moved since their segment table was built (pool_segments)")
     if before_write is not None:
         before_write()
     if segments is not None:
