@@ -253,3 +253,39 @@ def test_sampled_generation_on_sized_trees_follows_the_target():
     assert chi2_p(first, probs) > 1e-3, first[first > 0].tolist()
     drafted = sum(g.stats.accept_lengths[0] >= 2 for g in got)  # the first token was an accepted tree node
     assert drafted >= SAMPLES // 4, drafted
+
+
+def test_frontier_nodes_sharing_a_token_share_one_bias_row_and_their_children(model, monkeypatch):
+    from dsv4_tree.drafters import dspark_tree
+
+    module = _module(model, seed=9)
+    vocab, d = model.vocab_size, model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    base, hidden = torch.randn(2, vocab, generator=g), torch.randn(2, d, generator=g)
+    tokens = torch.tensor([[5, 9, 5], [5, 5, 7]])  # request 0: 5 twice; request 1: 5 twice (its own base)
+    biased = torch.tensor([[True, True, True], [True, True, False]])  # request 1's 7 branches from U_k alone
+    seen, real = [], module.markov_bias
+    monkeypatch.setattr(module, "markov_bias", lambda prev: seen.append(prev.clone()) or real(prev))
+    with torch.inference_mode():
+        probs, ids, logits, conf = dspark_tree._children(module, base, hidden, tokens, biased, 3)
+    # one bias row per distinct (request, biased, token): (0,5) (0,9) (1,5) (1,7 unbiased) -> 4 rows
+    assert len(seen) == 1 and seen[0].numel() == 4
+    assert torch.equal(ids[0, 0], ids[0, 2]) and torch.equal(logits[0, 0], logits[0, 2])
+    assert torch.equal(logits[1, 0], logits[1, 1]) and not torch.equal(logits[0, 0], logits[1, 0])
+    assert torch.equal(logits[1, 2], base[1].float())  # unbiased: U_k itself
+    with torch.inference_mode():
+        want = dspark_tree.markov_logits(module, base[0], torch.tensor(9))
+    assert torch.allclose(logits[0, 1], want, rtol=0, atol=1e-5)
+
+
+def test_batched_greedy_trees_stop_at_eos_each_on_its_own(model):
+    module = _module(model, seed=10)
+    prompts = [_prompt(n, 30 + n) for n in (12, 25)]
+    full = [hf_greedy(model, p, 14) for p in prompts]
+    eos = full[0][6]  # the first prompt meets it at its 7th token; the second maybe never
+    eng = dt.Engine(model, _spec(3, GAMMA, 10))
+    outs = eng.generate_batch(prompts, 14, drafter=DSparkDrafter(model, TreeShape(3, GAMMA, 10), module=module),
+                              eos_token_id=eos, progress=False)
+    for want, out in zip(full, outs):
+        cut = want[: want.index(eos) + 1] if eos in want else want
+        assert out.tokens == cut and out.stop_reason == ("eos" if eos in want else "length")
