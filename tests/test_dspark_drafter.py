@@ -167,8 +167,12 @@ def test_greedy_generation_equals_hugging_face(model):
 
 
 def test_greedy_generation_near_the_position_limit_and_at_eos(model):
-    eng = _engine(model)
-    drafter = _drafter(model, _module(model), record=False)
+    check_limit_and_eos(model, _engine(model), _drafter(model, _module(model), record=False))
+
+
+def check_limit_and_eos(model, eng, drafter) -> None:
+    """Greedy generation with `drafter` equals Hugging Face's 9 positions before the model's limit,
+    and stops at an EOS met at the 10th token."""
     limit = eng.limits.max_positions
     prompt = _prompt(limit - 9, 6)
     res = eng.generate(prompt, 8, drafter=drafter, progress=False)

@@ -24,6 +24,7 @@ from dsv4_tree.reference.dspark import ref_dspark_block, ref_dspark_chain, ref_t
 from dsv4_tree.train.corpus import heldout_prompt
 from test_adaptive_depth import hf_greedy
 from test_adaptive_sampling import chi2_p
+from test_dspark_drafter import check_limit_and_eos
 
 GAMMA = 4
 
@@ -172,15 +173,7 @@ def test_greedy_tree_generation_equals_hugging_face(model):
 def test_greedy_trees_near_the_position_limit_and_at_eos(model):
     module = _module(model, seed=8)
     eng = dt.Engine(model, _spec(3, GAMMA, 12))
-    drafter = DSparkDrafter(model, TreeShape(3, GAMMA, 12), module=module)
-    limit = eng.limits.max_positions
-    prompt = _prompt(limit - 9, 6)
-    res = eng.generate(prompt, 8, drafter=drafter, progress=False)
-    assert res.tokens == hf_greedy(model, prompt, 8)
-    full = hf_greedy(model, _prompt(20, 7), 16)
-    eos = full[9]
-    res = eng.generate(_prompt(20, 7), 16, drafter=drafter, eos_token_id=eos, progress=False)
-    assert res.tokens == full[: full.index(eos) + 1] and res.stop_reason == "eos"
+    check_limit_and_eos(model, eng, DSparkDrafter(model, TreeShape(3, GAMMA, 12), module=module))
 
 
 def test_sampled_tree_first_tokens_follow_the_target():
