@@ -41,6 +41,18 @@ def check_scale(scale) -> None:
         raise InputError(f"scale must be a Python float, got {type(scale).__name__}")
 
 
+def check_index_query(q: torch.Tensor, weights: torch.Tensor, scale) -> tuple:
+    """An indexer's queries [T, HI, D] (fp32 / bf16), per-head weights [T, HI] fp32 and host scale.
+    -> (T, HI, D)."""
+    check("q", q, 3, (torch.float32, torch.bfloat16))
+    t, h, d = q.shape
+    check_scale(scale)
+    check("weights", weights, 2, (torch.float32,))
+    if tuple(weights.shape) != (t, h):
+        raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
+    return t, h, d
+
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32, torch.int64)
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, check_scale, pow2
+from ._launch import INDEX, check, check_device, check_index_query, pow2
 from ._pool_rows import load_pool_rows, pool_format
 
 
@@ -70,12 +70,7 @@ def indexer_paged_scores(q, weights, keys, entry_pages, entries_per_page, entry_
 
 
 def _launch(q, weights, keys, cand, crow, scale, lengths=None, epp: int = 1):
-    check("q", q, 3, (torch.float32, torch.bfloat16))
-    t, h, d = q.shape
-    check_scale(scale)
-    check("weights", weights, 2, (torch.float32,))
-    if tuple(weights.shape) != (t, h):
-        raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
+    t, h, d = check_index_query(q, weights, scale)
     check("cand", cand, 2, INDEX)
     if crow is None and cand.shape[0] != t:
         raise InputError(f"cand has {cand.shape[0]} rows, q has {t}")

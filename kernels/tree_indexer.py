@@ -30,7 +30,7 @@ import triton.language as tl
 from dsv4_tree.attention.torch_ops import TIE_MARGIN
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, check_scale, pow2
+from ._launch import INDEX, check, check_device, check_index_query, pow2
 from ._meta import on_meta
 from ._pool_rows import load_pool_rows, pool_format
 
@@ -157,12 +157,7 @@ def _indexer_topk_kernel(q_ptr, w_ptr, pages_ptr, elen_ptr, branch_ptr, rows_ptr
 
 def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, branch, req_rows, scale, topk):
     """indexer_topk plus the selected candidates' scores [T, k] (-inf where none)."""
-    check("q", q, 3, (torch.float32, torch.bfloat16))
-    t, h, d = q.shape
-    check_scale(scale)
-    check("weights", weights, 2, (torch.float32,))
-    if tuple(weights.shape) != (t, h):
-        raise InputError(f"weights must be [T={t}, HI={h}], got {tuple(weights.shape)}")
+    t, h, d = check_index_query(q, weights, scale)
     check("entry_pages", entry_pages, 2, INDEX)
     check("entry_len", entry_len, 1, INDEX)
     check("branch", branch, 2, INDEX)

@@ -22,23 +22,16 @@ import torch
 
 import dsv4_tree as dt
 from dsv4_tree import kernels
-from dsv4_tree.checkpoint.tiny import random_model, tiny_config
 from dsv4_tree.numerics.hc import sinkhorn_torch
 from dsv4_tree.reference.hc import ref_hc_post, ref_hc_pre
+from test_hc import hc_module
 
 U = 2.0**-24
 
 
 def hc_layer(hc_mult: int, seed: int, dtype):
-    torch.manual_seed(seed)
-    hf = random_model(tiny_config(hc_mult=hc_mult)).to(dtype)
-    layer = hf.model.layers[1]
-    with torch.no_grad():  # spread the gates so every weight matters
-        for m in (layer.attn_hc, layer.ffn_hc):
-            m.fn.normal_(0, 0.5)
-            m.base.normal_(0, 1.0)
-            m.scale.uniform_(0.5, 2.0)
-    return layer, hf.config.hidden_size
+    hf, layer, d = hc_module(hc_mult, seed)
+    return layer.to(dtype), d
 
 
 def _z_and_dz(module, streams):

@@ -20,6 +20,7 @@ from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative import eagle_worker_common
 from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
+from sgl_graph import NoOnlineC128
 
 from dsv4_tree.errors import ConfigError, StateError
 from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend, TreeDeepseekV4MultiStepBackend
@@ -65,22 +66,6 @@ def sglang_draft_out_cache_loc(monkeypatch, req_to_token, rpi, seq_lens, topk, s
     return captured["out_cache_loc"], draft_input.positions, draft_pool.moves
 
 
-class _NoOnlineC128:
-    """SGLANG_OPT_USE_ONLINE_COMPRESS off (the validator requires it): SGLang's controller is inert."""
-
-    def prepare_forward(self, *args, **kwargs):
-        return 0
-
-    def state_slot_offset(self):
-        return 0
-
-    def enabled(self):
-        return False
-
-    def clear(self):
-        pass
-
-
 def draft_stand_in(req_to_token, mapping, n) -> StandIn:
     """What SGLang's backend methods read of `self` for the DeepSeek-V4 draft (MTP) pool: SWA
     only (the MTP layer's compress ratio is 0, so the pool has no compressed ratios)."""
@@ -88,7 +73,7 @@ def draft_stand_in(req_to_token, mapping, n) -> StandIn:
     sb.present_ratios = sb.low_ratios = ()
     sb.has_c4 = sb.has_c128 = False
     sb.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
-    sb.online_c128_mtp = _NoOnlineC128()
+    sb.online_c128_mtp = NoOnlineC128()
     sb.mtp_enabled = True
     sb.enable_decoder_swa_bounded_replay = False
     sb._early_verify_metadata_ids = set()
