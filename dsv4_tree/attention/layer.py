@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..numerics.norms import rms_norm
-from ..numerics.rope import rope_tables
+from ..numerics.rope import rope_pairs, rope_tables
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
 from .compress import branch_entries
@@ -19,19 +19,25 @@ from .indexer import indexer_select
 
 @dataclass(frozen=True)
 class RowRope:
-    """cos/sin computed once per verify: for rows ("main"/"compress") and block starts.
-    `full` widens them to a head width (numerics/rope.py: rope_tables) once per verify."""
+    """RoPE angles computed once per verify, as transformers' rotary module returns them: for the
+    rows (labels "main" / "compress") and for each ratio's block starts (C4 / C128 entries).
 
-    rows: dict  # rope label -> RoPE pair tables (cos, sin) [1, T, rope_dim/2, 2] (numerics/rope.py)
-    blocks: dict  # ratio -> the same [1, T, rope_dim/2, 2] at each row's block start
+    `pair(key)` gives those tables as they are (the Triton kernels rotate from them); `full`
+    widens them to a head width once per verify (numerics/rope.py: rope_pairs, rope_tables) for
+    the torch path's `apply_rope`."""
+
+    raw: dict  # label or ratio -> (cos, sin) [T, rope_dim / 2], the model's dtype
     widened: dict = field(default_factory=dict)  # (label or ratio, width, inverse) -> full-width tables
 
+    def pair(self, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope_dim / 2] of rows[key] (a label) or of block starts (a ratio)."""
+        return self.raw[key]
+
     def full(self, key, width: int, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-width tables [1, 1, T (or E), width] of rows[key] (a label) or blocks[key] (a
-        ratio); inverse: the inverse rope's (-sin)."""
+        """Full-width tables [1, 1, T (or E), width] of pair(key); inverse: the inverse rope's (-sin)."""
         k = (key, width, inverse)
         if k not in self.widened:
-            c, s = self.rows[key] if isinstance(key, str) else self.blocks[key]
+            c, s = rope_pairs(*(t.unsqueeze(0) for t in self.raw[key]))
             self.widened[k] = rope_tables(c, -s if inverse else s, width)
         return self.widened[k]
 

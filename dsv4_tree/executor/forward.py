@@ -10,7 +10,7 @@ from ..serving.tables import VerifyPlan
 from ..numerics.hc import hc_head
 from ..numerics.moe import moe_rows
 from ..numerics.norms import rms_norm
-from ..numerics.rope import apply_rope, rope_pairs
+from ..numerics.rope import apply_rope
 
 
 @dataclass
@@ -26,13 +26,18 @@ class RowsRun:
 
 
 def row_rope(model, plan: VerifyPlan, like: torch.Tensor) -> RowRope:
-    """RoPE pair tables (numerics/rope.py) for every row and every closed block's start, once per verify."""
+    """RoPE angles of every row and of every ratio's block starts, once per verify: one call of
+    the model's rotary module per label (the block starts ride with the "compress" rows)."""
     rot = model.hf.model.rotary_emb
-    pos = plan.positions.unsqueeze(0)
-    rows = {label: rope_pairs(*rot(like, position_ids=pos, layer_type=label)) for label in ("main", "compress")}
-    blocks = {m: rope_pairs(*rot(like, position_ids=ct.block_start.unsqueeze(0), layer_type="compress"))
-              for m, ct in plan.compress.items()}
-    return RowRope(rows, blocks)
+    t = plan.num_rows
+    ratios = sorted(plan.compress)
+    main = rot(like, position_ids=plan.positions.unsqueeze(0), layer_type="main")
+    pos = torch.cat([plan.positions] + [plan.compress[m].block_start for m in ratios]) if ratios else plan.positions
+    comp = rot(like, position_ids=pos.unsqueeze(0), layer_type="compress")
+    raw = {"main": (main[0][0], main[1][0])}
+    for i, key in enumerate(["compress"] + ratios):
+        raw[key] = (comp[0][0, i * t : (i + 1) * t], comp[1][0, i * t : (i + 1) * t])
+    return RowRope(raw)
 
 
 def decoder_layer_rows(layer, h, plan: VerifyPlan, pools, rope: RowRope, ops, ids):
