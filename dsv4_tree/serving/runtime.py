@@ -44,7 +44,8 @@ class ServingRuntime:
         self.max_nodes = limits.max_nodes
         # the Triton backend commits every pool's moves in one launch over this byte-segment table
         self.segments = pool_segments(self.pools, self.layout) if spec.attention_backend == "triton" else None
-        if spec.attention_backend == "triton":  # FP8 K=V writes as one kernel each
+        if spec.attention_backend == "triton":  # the table build and FP8 K=V writes as kernels
+            self.device_pages.use_kernels()
             for lp in self.pools:
                 for pool in (lp.swa, *(c.entries for c in lp.compressors)):
                     pool.use_kernels()

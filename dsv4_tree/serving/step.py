@@ -41,11 +41,19 @@ class HostStep:
 class DevicePages:
     """The device copy of the page tables (TokenPages), kept in step by the updates each step
     carries. Entries freed on the host stay stale here: the build reads only positions the host
-    has mapped again (positions < P + N, recent pages of positions >= P - recent window)."""
+    has mapped again (positions < P + N, recent pages of positions >= P - recent window).
+    `use_kernels()` (the Triton backend): the updates and the build run as Triton kernels
+    (kernels/table_build.py: three launches, bitwise the torch build's tables)."""
 
     def __init__(self, max_requests: int, pages_per_request: int, num_token_pages: int, page_size: int, device):
         self.pages = TokenPages(torch.full((max_requests, pages_per_request), -1, dtype=torch.int32, device=device),
                                 torch.full((num_token_pages,), -1, dtype=torch.int32, device=device), page_size)
+        self.kernels = None  # the kernels package when the build runs as Triton kernels
+
+    def use_kernels(self) -> None:
+        from .. import kernels
+
+        self.kernels = kernels
 
     def apply(self, cells, token_pages, swa_of, swa_pages) -> None:
         """Scatter the page mappings (unique cells and unique token pages: no write races)."""
@@ -75,8 +83,11 @@ def upload(step: HostStep, device_pages: DevicePages, device) -> torch.Tensor:
     b, t = step.shapes.requests, step.shapes.rows
     u, v = step.num_page_updates, step.num_swa_updates
     o = 3 * b + 2 * t
-    device_pages.apply(buf[o : o + u], buf[o + u : o + 2 * u], buf[o + 2 * u : o + 2 * u + v],
-                       buf[o + 2 * u + v : o + 2 * u + 2 * v])  # also when empty: the same ops every step
+    if device_pages.kernels is not None:
+        device_pages.kernels.apply_page_updates(buf, o, u, v, device_pages.pages)
+    else:
+        device_pages.apply(buf[o : o + u], buf[o + u : o + 2 * u], buf[o + 2 * u : o + 2 * u + v],
+                           buf[o + 2 * u + v : o + 2 * u + 2 * v])  # also when empty: the same ops every step
     return buf[:o]
 
 
@@ -99,8 +110,10 @@ def unpack(inputs: torch.Tensor, shapes: StepShapes) -> dict:
 def build_from(inputs: torch.Tensor, shapes: StepShapes, device_pages: DevicePages, layout: Layout) -> dict:
     """Every table of the step from its device inputs (the VerifyPlan tensor fields): no host
     reads, static shapes, so it can be captured in a CUDA graph together with the forward."""
-    x = unpack(inputs, shapes)
     pages = device_pages.pages
+    if device_pages.kernels is not None:
+        return device_pages.kernels.step_tables(inputs, shapes, pages, layout)
+    x = unpack(inputs, shapes)
     loc = draft_cache_loc(pages, x["req_pool_indices"], x["seq_lens"], x["row_req"], x["row_node"])
     return build_tables(pages, out_cache_loc=loc, layout=layout, num_nodes=shapes.nodes,
                         widths=dict(shapes.widths), **x)
