@@ -13,7 +13,7 @@ higher score first, then the earlier column (block order: committed entries 0..C
 row's branch entries C..C+Kb-1). A chunk of KP candidates is merged into the KP kept ones with
 one bitonic top-KP of their union (KP = the power of two above k, so the (k+1)-th best, which
 decides the tie flag, is kept too). After the committed chunks, each row's own branch keys
-(the only keys rows do not share) are scored and merged the same way; then the kept columns
+(the only keys rows do not share) are scored and merged the same way, up to KP per merge; then the kept columns
 are mapped to entry slots and written: selected [T, k], lengths [T], ties [T], and the selected
 scores [T, k]. No [T, C] score tensor exists at any point.
 
@@ -114,22 +114,26 @@ def _indexer_topk_kernel(q_ptr, w_ptr, pages_ptr, elen_ptr, branch_ptr, rows_ptr
             key = _pack(s, cols[None, :], ok[None, :] & rn_ok[:, None])
             chunk = tl.where(sub[None, :, None] == j, key[:, None, :], chunk)
         kept = _merge(kept, tl.reshape(chunk, (BN, KP)), KP, BN)
-    # each row's own branch entries (columns C + j): all rows' keys in one tile, each row keeps its own
+    # each row's own branch entries (columns C + j), BKB per row at a time: all rows' keys in one
+    # tile, each row keeps its own
     rc = tl.arange(0, BN * BKB)
-    c_row, c_j = rc // BKB, rc % BKB
+    c_row = rc // BKB
     t_c = tl.reshape(tl.broadcast_to(row_t[:, None], (BN, BKB)), (BN * BKB,))
-    ok_c = (t_c >= 0) & (c_j < KB)
-    slot_c = tl.load(branch_ptr + tl.where(ok_c, t_c, 0) * KB + c_j, mask=ok_c, other=-1).to(tl.int64)
-    ok_c = ok_c & (slot_c >= 0)
-    bkeys = load_pool_rows(k_ptr, slot_c, ok_c, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
-    s_all = _head_sum(q_ptr, w_ptr, row_t, rn_ok, bkeys, H, D, rd, BN, BH, BN * BKB) * scale  # [BN, BN*BKB]
     own = rn[:, None] == c_row[None, :]
-    s_own = tl.sum(tl.reshape(tl.where(own, s_all, 0.0), (BN, BN, BKB)), axis=1)  # [BN, BKB]
-    ok_own = tl.sum(tl.reshape(tl.where(own & ok_c[None, :], 1, 0), (BN, BN, BKB)), axis=1) > 0
-    bkey = _pack(s_own, c_width + tl.arange(0, BKB)[None, :], ok_own)
     bsub = tl.arange(0, KP // BKB)
-    bchunk = tl.where(bsub[None, :, None] == 0, bkey[:, None, :], -9223372036854775807)
-    kept = _merge(kept, tl.reshape(bchunk, (BN, KP)), KP, BN)
+    for j0 in range(0, KB, BKB):
+        c_j = j0 + rc % BKB
+        ok_c = (t_c >= 0) & (c_j < KB)
+        slot_c = tl.load(branch_ptr + tl.where(ok_c, t_c, 0) * KB + c_j, mask=ok_c, other=-1).to(tl.int64)
+        ok_c = ok_c & (slot_c >= 0)
+        bkeys = load_pool_rows(k_ptr, slot_c, ok_c, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
+                               FMT)
+        s_all = _head_sum(q_ptr, w_ptr, row_t, rn_ok, bkeys, H, D, rd, BN, BH, BN * BKB) * scale  # [BN, BN*BKB]
+        s_own = tl.sum(tl.reshape(tl.where(own, s_all, 0.0), (BN, BN, BKB)), axis=1)  # [BN, BKB]
+        ok_own = tl.sum(tl.reshape(tl.where(own & ok_c[None, :], 1, 0), (BN, BN, BKB)), axis=1) > 0
+        bkey = _pack(s_own, c_width + j0 + tl.arange(0, BKB)[None, :], ok_own)
+        bchunk = tl.where(bsub[None, :, None] == 0, bkey[:, None, :], -9223372036854775807)
+        kept = _merge(kept, tl.reshape(bchunk, (BN, KP)), KP, BN)
     # the first K kept columns -> entry slots; the (K+1)-th decides the tie flag
     rk = tl.arange(0, KP)
     score, col = _unpack(kept)
@@ -191,9 +195,7 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
     groups = -(-n // bn)
     bh = max(pow2(h, 1) if h <= 16 else 16, -(-16 // bn))  # tl.dot needs M = BN x BH >= 16
     kp = pow2(k + 1)  # keeps the (k+1)-th best for the tie flag
-    bkb = max(pow2(kb, 1), -(-16 // bn))
-    if bkb > kp:
-        raise InputError(f"branch has {kb} columns, more than the {kp} a top-{k} tile holds")
+    bkb = min(max(pow2(kb, 1), -(-16 // bn)), kp)  # branch columns per merge (prefill chunks: several)
     _indexer_topk_kernel[(b * groups,)](
         q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, h, d, n, groups, cp, epp, kb, k,
         float(scale), TIE_MARGIN, *fmt.kernel_args(),

@@ -93,6 +93,7 @@ CASES = [  # sizes, lens (committed keys per request), epp, kb, HI, dI
     ((3, 1, 4), (37, 0, 9), 4, 2, 4, 16),
     ((2, 5), (61, 23), 8, 3, 8, 32),
     ((1,), (5,), 2, 1, 2, 16),
+    ((20,), (9,), 4, 40, 2, 16),  # a prefill chunk: rows in groups of 16, more branch keys than KP (merges)
 ]
 
 
