@@ -97,7 +97,7 @@ def owner_of(launch: Launch) -> str | None:
         text = _line(chain, "_compressed")
         return "indexer + top-k" if ("iq" in text or "iw" in text) else "FP8 KV / entry writers"
     text = _line(chain, "attention_rows")
-    return "FP8 KV / entry writers" if "swa.write" in text else "q / out projections"
+    return "FP8 KV / entry writers" if "swa_write" in text else "q / out projections"
 
 
 def build_engine(backend: str, device: str, shapes: str, max_ctx: int, max_bs: int, kv: str = "fp8_e4m3"):

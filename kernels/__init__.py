@@ -10,6 +10,7 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   hc_pre / hc_post       <-> ref_hc_pre / ref_hc_post   (kernels/hc.py; reference in reference/hc.py)
   fp8_store              <-> the torch FP8 writer       (kernels/fp8_store.py; serving/records.py: quantize_rows + KVPool's scatter)
   move_records           <-> the torch commit           (kernels/commit_moves.py; serving/commit.py: apply_moves)
+  norm_rope / kv_write   <-> ref_norm_rope / ref_kv_write (kernels/norm_rope.py, kv_write.py; reference in reference/norm_rope.py)
 Data movement and the FP8 codec have their readable torch path in serving/ (the torch backend
 runs it); those kernels are compared with it byte for byte.
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
@@ -20,6 +21,8 @@ attribute access (PEP 562). Run from the repository root, this folder is importa
 top-level `kernels`, and transformers probes that name at import time; an eager import here
 would make `import transformers` pay for Triton, or fail where Triton is not installed."""
 import importlib
+import sys
+import types
 
 _MODULE_OF = {
     "fp8_store": "fp8_store",
@@ -29,7 +32,9 @@ _MODULE_OF = {
     "indexer_paged_scores": "indexer_gather",
     "indexer_topk": "tree_indexer",
     "indexer_topk_scores": "tree_indexer",
+    "kv_write": "kv_write",
     "move_records": "commit_moves",
+    "norm_rope": "norm_rope",
     "pool_entries": "compressor",
     "sparse_decode": "sparse_decode",
 }
@@ -48,3 +53,17 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_MODULE_OF))
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule binds it on its package under its own name; where that name is also a
+    kernel's (fp8_store, sparse_decode, norm_rope), a kernel module importing another (kv_write
+    imports fp8_store's jit helpers) would shadow the kernel with its module. The kernel keeps it."""
+
+    def __setattr__(self, name, value):
+        if name in _MODULE_OF and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -80,9 +80,8 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
     cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
     pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope, ops.pool_entries))
-    ccos, csin = rope.full("compress", idx.head_dim)
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
-    iq = apply_rope(iq, ccos, csin)[0].transpose(0, 1).contiguous()  # [T, HI, dI]
+    iq = ops.rope_rows(iq, rope, "compress")[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
     picked, length, ties = indexer_select(ops, iq, iw, pools.indexer.entries, ct, plan.groups,
                                           idx.scorer.softmax_scale, idx.index_topk)
@@ -93,12 +92,8 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
     """x [1, T, hidden] -> (output [1, T, hidden], top-k boundary ties (tensor) or None).
     Writes the rows' K=V, compressor rows and branch entries into the pools first."""
     t = plan.num_rows
-    h, d = attn.num_heads, attn.head_dim
-    cos, sin = rope.full(attn.rope_layer_type, d)
-    q_res = rms_norm(attn.q_a_norm, attn.q_a_proj(x))
-    q = rms_norm(attn.q_b_norm, attn.q_b_proj(q_res).view(1, t, h, d).transpose(1, 2))
-    q = apply_rope(q, cos, sin)[0].transpose(0, 1).contiguous()  # [T, H, d]
-    pools.swa.write(plan.out_loc, kv_rows(attn, x, cos, sin, apply_rope))
+    q_res, q = ops.q_rows(attn, x, rope)  # [1, T, q_lora_rank], [T, H, d]
+    ops.swa_write(attn, x, rope, pools.swa, plan.out_loc)
     if attn.compressor is None:
         out, _ = ops.sparse_decode(q, pools.swa, plan.swa_index, plan.swa_len, attn.sinks, attn.scaling)
         ties = None
@@ -108,7 +103,6 @@ def attention_rows(attn, x, plan: VerifyPlan, pools: LayerPools, rope: RowRope, 
                                    pools.main.entries, e.index, e.length, e.shared_pages, e.shared_per_page,
                                    e.shared_len, e.req_rows)
         ties = e.ties
-    inv_cos, inv_sin = rope.full(attn.rope_layer_type, d, inverse=True)
-    out = apply_rope(out.unsqueeze(0).transpose(1, 2), inv_cos, inv_sin).transpose(1, 2)
+    out = ops.rope_rows(out.unsqueeze(0).transpose(1, 2), rope, attn.rope_layer_type, inverse=True).transpose(1, 2)
     grouped = attn.o_a_proj(out.reshape(1, t, attn.config.o_groups, -1)).flatten(2)
     return attn.o_b_proj(grouped), ties
