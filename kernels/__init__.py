@@ -3,6 +3,8 @@
 
 Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   pool_entries           <-> ref_pool_entries           (kernels/compressor.py; reference in reference/ops.py)
+  compress_entries       <-> ref_compress_entries       (kernels/compress_entries.py; reference in reference/compress_entries.py;
+                         compressor_write = write_compressor_rows + compress_entries, AttentionOps.compressor_write)
   sparse_decode          <-> ref_sparse_decode          (kernels/sparse_decode.py; reference in reference/sparse_decode.py)
   indexer_gather_scores  <-> ref_indexer_gather_scores  (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
   indexer_paged_scores   <-> ref_indexer_paged_scores   (kernels/indexer_gather.py; reference in reference/sparse_decode.py)
@@ -11,6 +13,8 @@ Each kernel is paired with a torch reference in `dsv4_tree/reference/`:
   fp8_store              <-> the torch FP8 writer       (kernels/fp8_store.py; serving/records.py: quantize_rows + KVPool's scatter)
   move_records           <-> the torch commit           (kernels/commit_moves.py; serving/commit.py: apply_moves)
   norm_rope / kv_write   <-> ref_norm_rope / ref_kv_write (kernels/norm_rope.py, kv_write.py; reference in reference/norm_rope.py)
+  step_tables / apply_page_updates <-> the torch table build (kernels/table_build.py; serving/tables.py: build_tables,
+                         itself checked against reference/tables.py)
 Data movement and the FP8 codec have their readable torch path in serving/ (the torch backend
 runs it); those kernels are compared with it byte for byte.
 indexer_topk scores, selects (the tie rule, as torch_ops.topk_order) and maps slots in one kernel.
@@ -25,6 +29,8 @@ import sys
 import types
 
 _MODULE_OF = {
+    "compress_entries": "compress_entries",
+    "compressor_write": "compress_entries",
     "fp8_store": "fp8_store",
     "hc_post": "hc",
     "hc_pre": "hc",
@@ -37,6 +43,9 @@ _MODULE_OF = {
     "norm_rope": "norm_rope",
     "pool_entries": "compressor",
     "sparse_decode": "sparse_decode",
+    "write_compressor_rows": "compress_entries",
+    "apply_page_updates": "table_build",
+    "step_tables": "table_build",
 }
 
 __all__ = sorted(_MODULE_OF)
