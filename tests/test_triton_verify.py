@@ -1,27 +1,23 @@
 """The whole verify with attention_backend="triton" (table build, mHC, norms, RoPE, writers,
 indexer, attention and commit as kernels) over FP8 pools: trees and chains at contexts whose
-draft rows close C4 and C128 blocks, across page boundaries, against the torch backend over
-the same pools and against per-path fp32 Hugging Face runs. (The Triton commit moves the torch
-commit's bytes bitwise: tests/test_commit_kernel.py.)"""
-import functools
-
+draft rows close C4 and C128-style (here C16) blocks, across page boundaries, against the torch
+backend over the same pools: logits and stored bytes. The torch backend over FP8 pools is held to fp32
+Hugging Face in test_kv_dtypes.py, the Triton backend over fp32 pools to per-path Hugging Face
+runs in test_kernels.py, and the Triton commit moves the torch commit's bytes bitwise in
+test_commit_kernel.py."""
 import pytest
 import torch
 
 import dsv4_tree as dt
-from cases import deep_chain_tree, prompt, random_tree
-from dsv4_tree.reference import per_path_logits, relative_error
-from test_kv_dtypes import CHAIN_TOL, HF_BOUND
-
-
-@functools.lru_cache(maxsize=None)
-def tiny():
-    return dt.load_model(dt.tiny_checkpoint())
+from cases import deep_chain_tree, prompt, random_tree, small_model
+from dsv4_tree.reference import relative_error
+from test_kv_dtypes import CHAIN_TOL
 
 
 def verified(backend: str, length: int, tree_of, page_size: int = 16):
-    eng = dt.Engine(tiny(), dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype="fp8_e4m3",
-                                          page_size=page_size, attention_backend=backend))
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=24, kv_cache_dtype="fp8_e4m3",
+                         page_size=page_size, attention_backend=backend)
+    eng = dt.Engine(small_model(), spec)
     p = prompt(length, 11)
     req = eng.prefill(p)
     tree = tree_of(req.root_token)
@@ -35,15 +31,16 @@ def record_bytes(eng, slots) -> list:
     return out
 
 
-# P = 126: the draft rows sit at positions 126..134; the row at depth 1 closes C4 block 124..127
-# and the first C128 block (0..127: a branch entry), depth 5 closes C4 block 128..131. P = 130:
-# one committed C128 entry (from the prefill) that every row reads, C4 closes at 131 and 135.
-# Page size 16: every tree crosses a page.
-CASES = [(126, "tree"), (126, "chain"), (130, "tree")]
+# small_model: C4 and C16 layers, window 8, index top-3. P = 14: the draft rows sit at positions
+# 14..22; the row at depth 1 closes C4 block 12..15 and the first C16 block (0..15: a branch
+# entry), depth 5 closes C4 block 16..19. P = 18: one committed C16 entry that every row reads,
+# four committed C4 entries the indexer chooses 3 of, C4 closes at 19 and 23. Page size 16:
+# every tree crosses a page.
+CASES = [(14, "tree"), (18, "chain")]
 
 
 @pytest.mark.parametrize("length,kind", CASES)
-def test_triton_verify_over_fp8_pools_matches_torch_and_hugging_face(length, kind):
+def test_triton_verify_over_fp8_pools_matches_the_torch_backend(length, kind):
     def tree_of(root):
         return deep_chain_tree(root, 8, 3) if kind == "chain" else random_tree(root, 24, 8, 3, 5)
 
@@ -56,8 +53,6 @@ def test_triton_verify_over_fp8_pools_matches_torch_and_hugging_face(length, kin
     # entry by >= 0.5 (test_kv_dtypes.py: CHAIN_TOL).
     err = relative_error(t_out.logits[0], r_out.logits[0])
     assert err <= CHAIN_TOL, f"P={length} {kind}: triton vs torch backend {err:.2e} > {CHAIN_TOL:.0e}"
-    hf = relative_error(t_out.logits[0], per_path_logits(tiny(), p[:-1], tree))
-    assert hf <= HF_BOUND["fp8_e4m3"], f"P={length} {kind}: vs fp32 Hugging Face {hf:.2e}"
     rows = torch.arange(tree.num_nodes)
     flips = total = 0
     for tb, rb in zip(record_bytes(t_eng, t_out.plan.out_loc[rows]), record_bytes(r_eng, r_out.plan.out_loc[rows])):
