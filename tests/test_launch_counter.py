@@ -117,9 +117,8 @@ def test_bench_launches_prints_a_table_and_counts_independent_of_context_on_meta
 
 
 # The Triton backend's launches per bench step today (bench_launches at tiny shapes, CPU): a
-# ceiling to hold, not the issue's target of 300 (the writers' norm / rope / pooling and the
-# table build are not fused yet: design_notes/fewer-ops.md)
-TRITON_STEP_CEILING = 310
+# ceiling to hold (the issue's target was 300; design_notes/fewer-ops.md)
+TRITON_STEP_CEILING = 223
 
 
 def test_triton_step_launches_are_independent_of_context_and_batch_and_under_the_ceiling():

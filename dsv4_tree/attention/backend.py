@@ -6,7 +6,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from ..numerics import hc
-from . import rows, torch_ops
+from . import compress, rows, torch_ops
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class AttentionOps:
     q_rows: Callable = rows.q_rows  # the query: projections, q_a_norm, q_b_norm + RoPE (attention/rows.py)
     swa_write: Callable = rows.swa_write  # the SWA K=V rows: kv_proj, kv_norm, RoPE, the pool's store
     rope_rows: Callable = rows.rope_rows  # RoPE of [1, H, T, d] rows (the indexer query; inverse: the output)
+    compressor_write: Callable = compress.write_compressor  # a compressor's rows, then its entries (compress.py)
 
 
 TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores,
@@ -40,7 +41,8 @@ def get_backend(name: str) -> AttentionOps:
             return AttentionOps("triton", kernels.pool_entries, kernels.indexer_gather_scores,
                                 kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk,
                                 hc_pre=kernels.hc_pre, hc_post=kernels.hc_post, q_rows=rows.triton_q_rows,
-                                swa_write=rows.triton_swa_write, rope_rows=rows.triton_rope_rows)
+                                swa_write=rows.triton_swa_write, rope_rows=rows.triton_rope_rows,
+                                compressor_write=kernels.compressor_write)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

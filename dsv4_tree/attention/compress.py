@@ -1,10 +1,16 @@
-"""Branch compressed entries: pool each closing row's block from the compressor's row pool."""
+"""Branch compressed entries: pool each closing row's block from the compressor's row pool.
+
+`write_compressor` is the torch backend's AttentionOps.compressor_write: the rows into the row
+pools, then every row's entry into the entry pool (the Triton backend does the same in two
+launches: kernels/compress_entries.py)."""
 from __future__ import annotations
 
 import torch
 
+from ..numerics.rope import apply_rope
 from ..serving.pools import CompressorPools
 from ..serving.tables import CompressTables
+from . import torch_ops
 
 
 def gather_block_rows(pool: CompressorPools, ct: CompressTables, bias: torch.Tensor):
@@ -29,3 +35,12 @@ def branch_entries(pool: CompressorPools, ct: CompressTables, module, rope_cs, a
     kv, gate = gather_block_rows(pool, ct, module.position_bias)
     cos, sin = rope_cs
     return pool_fn(kv, gate, module.kv_norm, cos, sin, apply_rope)
+
+
+def write_compressor(pool: CompressorPools, ct: CompressTables, module, slots: torch.Tensor, kv: torch.Tensor,
+                     gate: torch.Tensor, rope) -> None:
+    """One compressor's step: its rows kv, gate [T, W] at slots [T], then every row's entry
+    (pooled from the rows just written, RoPE at the block start from rope.full) at ct.entry_out."""
+    pool.write_rows(slots, kv, gate)
+    cs = rope.full(ct.ratio, pool.head_dim)
+    pool.entries.write(ct.entry_out, branch_entries(pool, ct, module, cs, apply_rope, torch_ops.pool_entries))

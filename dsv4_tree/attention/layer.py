@@ -13,7 +13,6 @@ from ..numerics.norms import rms_norm
 from ..numerics.rope import rope_pairs, rope_tables
 from ..serving.pools import LayerPools
 from ..serving.tables import VerifyPlan
-from .compress import branch_entries
 from .indexer import indexer_select
 
 
@@ -69,17 +68,13 @@ def _compressed(attn, x, q_res, plan: VerifyPlan, pools: LayerPools, rope: RowRo
     Every row pools an entry (rows that close no block pool into the trash entry): static shapes."""
     comp = attn.compressor
     ct = plan.compress[comp.compress_rate]
-    pools.main.write_rows(plan.out_loc, comp.kv_proj(x)[0], comp.gate_proj(x)[0])
-    cs = rope.full(comp.compress_rate, pools.main.head_dim)
-    pools.main.entries.write(ct.entry_out, branch_entries(pools.main, ct, comp, cs, apply_rope, ops.pool_entries))
+    ops.compressor_write(pools.main, ct, comp, plan.out_loc, comp.kv_proj(x)[0], comp.gate_proj(x)[0], rope)
     idx = getattr(comp, "indexer", None)
     if idx is None:
         return EntryKeys(ct.branch, ct.branch_len, None, ct.entry_pages, ct.entries_per_page, ct.entry_len,
                          plan.groups.req_rows)
     t = plan.num_rows
-    pools.indexer.write_rows(plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0])
-    cs = rope.full(comp.compress_rate, pools.indexer.head_dim)
-    pools.indexer.entries.write(ct.entry_out, branch_entries(pools.indexer, ct, idx, cs, apply_rope, ops.pool_entries))
+    ops.compressor_write(pools.indexer, ct, idx, plan.out_loc, idx.kv_proj(x)[0], idx.gate_proj(x)[0], rope)
     iq = idx.q_b_proj(q_res).view(1, t, idx.num_heads, idx.head_dim).transpose(1, 2)
     iq = ops.rope_rows(iq, rope, "compress")[0].transpose(0, 1).contiguous()  # [T, HI, dI]
     iw = idx.scorer.weights_proj(x)[0].float() * idx.scorer.weights_scaling  # [T, HI]
