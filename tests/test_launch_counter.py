@@ -116,9 +116,10 @@ def test_bench_launches_prints_a_table_and_counts_independent_of_context_on_meta
         assert r["by_owner"]["table build"] > 0 and r["by_owner"]["commit"] > 0, r
 
 
-# The Triton backend's launches per bench step today (bench_launches at tiny shapes, CPU): a
-# ceiling to hold (the target was 300; design_notes/fewer-ops.md)
+# The Triton backend's launches per bench step (bench_launches at tiny shapes, CPU, where the
+# step's one host-to-device copy is not a launch): a ceiling to hold, under the target of 300.
 TRITON_STEP_CEILING = 223
+TARGET = 300
 
 
 def test_triton_step_launches_are_independent_of_context_and_batch_and_under_the_ceiling():
@@ -126,5 +127,6 @@ def test_triton_step_launches_are_independent_of_context_and_batch_and_under_the
     engine = bl.build_engine("triton", "cpu", "tiny", 1100, 2)
     small, large = bl.count_step(engine, 300, 1), bl.count_step(engine, 1100, 2)
     assert small == large, (dict(small), dict(large))
-    assert sum(small.values()) <= TRITON_STEP_CEILING, dict(small)
+    assert sum(small.values()) <= TRITON_STEP_CEILING <= TARGET - 1, dict(small)  # + the copy on a GPU
+    assert small["table build"] <= 3, dict(small)  # page updates, rows, requests (+ the copy: 4)
     assert small["commit"] <= 5, dict(small)  # one move kernel + the engine's four gathers of the accepted rows
