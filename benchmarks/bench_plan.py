@@ -82,7 +82,8 @@ def measure(engine, reqs, n: int, reps: int) -> dict:
     unwrap(engine)
     step = seen["step"]  # its page updates are already in the host tables the CPU copy is made of
     cpu_pages = SimpleNamespace(pages=TokenPages(rt.pages.req_to_page.to(torch.int32),
-                                                 rt.pages.full_to_recent.to(torch.int32), rt.layout.page_size))
+                                                 rt.pages.full_to_recent.to(torch.int32), rt.layout.page_size),
+                                kernels=None)  # the torch build: the CPU time of its ops
     inputs = step.buffer[: 3 * step.shapes.requests + 2 * step.shapes.rows]
     build = []
     for _ in range(reps):
