@@ -81,6 +81,26 @@ def one_step(pages, dev_pages, layout, rows, seq_lens, trees, bucketed: bool, la
     check_padding(got, sum(sizes), layout)
 
 
+def draw_batch(data, pages):
+    """1-3 admitted requests at drawn contexts with drawn trees -> (rows, seq_lens, trees)."""
+    bs = data.draw(st.integers(1, 3), label="bs")
+    rows = [pages.admit() for _ in range(bs)]
+    return rows, [context(data.draw) for _ in range(bs)], [data.draw(tree(5 + b)) for b in range(bs)]
+
+
+def commit_and_reuse(data, pages, rows, seq_lens, trees):
+    """A commit (pages freed past the new lengths, recent pages before them), the first
+    request released and its row reused at a new context, new trees -> (rows, seq_lens, trees)."""
+    grown = [p + data.draw(st.integers(1, t.num_nodes)) for p, t in zip(seq_lens, trees)]
+    pages.shrink(rows, grown)
+    pages.evict(rows, [n - RECENT for n in grown])
+    pages.release(rows[0])
+    rows[0] = pages.admit()
+    grown[0] = context(data.draw)
+    pages.ensure([rows[0]], [grown[0]], [grown[0] - RECENT])
+    return rows, grown, [data.draw(tree(7 + b)) for b in range(len(rows))]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_device_tables_equal_the_reference_builder(data):
@@ -89,22 +109,12 @@ def test_device_tables_equal_the_reference_builder(data):
     layout = layout_for(ps)
     pages = PageTable(MAX_REQ, MAX_POS, ps, layout.num_token_pages, layout.num_recent_pages)
     dev_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
-    bs = data.draw(st.integers(1, 3), label="bs")
-    rows = [pages.admit() for _ in range(bs)]
-    seq_lens = [context(data.draw) for _ in range(bs)]
-    trees = [data.draw(tree(5 + b)) for b in range(bs)]
+    rows, seq_lens, trees = draw_batch(data, pages)
     label = f"{ps=} {bucketed=} {seq_lens=} sizes={[t.num_nodes for t in trees]}"
     one_step(pages, dev_pages, layout, rows, seq_lens, trees, bucketed, label)
     # a commit (pages freed past the new length, recent pages before it), a released request
     # whose row and pages are reused, then the next step: stale device entries are never read
-    grown = [p + data.draw(st.integers(1, t.num_nodes)) for p, t in zip(seq_lens, trees)]
-    pages.shrink(rows, grown)
-    pages.evict(rows, [n - RECENT for n in grown])
-    pages.release(rows[0])
-    rows[0] = pages.admit()
-    grown[0] = context(data.draw)
-    pages.ensure([rows[0]], [grown[0]], [grown[0] - RECENT])
-    trees = [data.draw(tree(7 + b)) for b in range(bs)]
+    rows, grown, trees = commit_and_reuse(data, pages, rows, seq_lens, trees)
     one_step(pages, dev_pages, layout, rows, grown, trees, bucketed, f"second step {label} {grown=}")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_device_tables import MAX_NODES, MAX_POS, MAX_REQ, RECENT, context, layout_for, tree
+from test_device_tables import MAX_NODES, MAX_POS, MAX_REQ, RECENT, commit_and_reuse, draw_batch, layout_for
 
 import dsv4_tree as dt
 from dsv4_tree import kernels
@@ -59,22 +59,12 @@ def test_triton_build_equals_the_torch_build(data):
     torch_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
     kernel_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
     kernel_pages.use_kernels()
-    bs = data.draw(st.integers(1, 3), label="bs")
-    rows = [pages.admit() for _ in range(bs)]
-    seq_lens = [context(data.draw) for _ in range(bs)]
-    trees = [data.draw(tree(5 + b)) for b in range(bs)]
+    rows, seq_lens, trees = draw_batch(data, pages)
     label = f"{ps=} {bucketed=} {seq_lens=} sizes={[t.num_nodes for t in trees]}"
     got, want = both_builds(pages, torch_pages, kernel_pages, layout, rows, seq_lens, trees, bucketed)
     assert_same(got, want, label)
     # a commit, a released and reused row, the next step: both device copies stay equal
-    grown = [p + data.draw(st.integers(1, t.num_nodes)) for p, t in zip(seq_lens, trees)]
-    pages.shrink(rows, grown)
-    pages.evict(rows, [n - RECENT for n in grown])
-    pages.release(rows[0])
-    rows[0] = pages.admit()
-    grown[0] = context(data.draw)
-    pages.ensure([rows[0]], [grown[0]], [grown[0] - RECENT])
-    trees = [data.draw(tree(7 + b)) for b in range(bs)]
+    rows, grown, trees = commit_and_reuse(data, pages, rows, seq_lens, trees)
     got, want = both_builds(pages, torch_pages, kernel_pages, layout, rows, grown, trees, bucketed)
     assert_same(got, want, f"second step {label} {grown=}")
 
