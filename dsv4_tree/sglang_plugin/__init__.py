@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 HOOKS = (
     ("sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults", "AROUND", "around_apply_deepseek_v4_defaults"),
     ("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "AROUND", "around_handle_eagle_family"),
+    ("sglang.srt.arg_groups.speculative_hook._handle_dspark", "AROUND", "around_handle_dspark"),
     ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_attn_backend", "AROUND",
      "around_create_deepseek_v4_attn_backend"),
     ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_multistep_backend", "AROUND",

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 
 from ..errors import ConfigError
+from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name, __init__.HOOKS)
 from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,11 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
     from sglang.srt.environ import envs
     from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
 
+    from .dspark_args import unsupported_options
+
     cfg = resolving_view(server_args)
-    archs = getattr(model_config_of(server_args).hf_config, "architectures", None) or [""]
+    hf_config = model_config_of(server_args).hf_config
+    archs = getattr(hf_config, "architectures", None) or [""]
     n = int(cfg.speculative_num_draft_tokens or 0)
     return TreeServeSettings(
         model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
@@ -59,6 +63,10 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
         disaggregation_mode=str(cfg.disaggregation_mode or "null"),
         debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
+        metadata_glue=bool(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()),
+        model_type=str(getattr(hf_config, "model_type", "")), gamma=int(cfg.speculative_dspark_block_size or 0),
+        attn_dp_size=int(cfg.attn_dp_size or 1), grammar_backend=cfg.grammar_backend,
+        unsupported=unsupported_options(cfg) if cfg.speculative_algorithm == "DSPARK" else (),
     )
 
 
