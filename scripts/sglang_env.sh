@@ -27,7 +27,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pipi transformers==5.19.0 "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
     "compressed-tensors==0.18.0" "openai==2.8.0" numpy msgspec orjson psutil pybase64 requests \
     packaging pillow pydantic pyzmq tqdm IPython aiohttp dill gguf einops partial-json-parser \
-    uvicorn fastapi zstandard "tokenizers==0.23.2" torchvision
+    uvicorn fastapi zstandard setproctitle "tokenizers==0.23.2" torchvision
   echo "[setup] installing dsv4-tree[test] into $SGLANG_VENV" >&2
   pipi -e "$ROOT[test]"
   echo "$want" > "$stamp"

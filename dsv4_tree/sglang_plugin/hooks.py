@@ -22,6 +22,9 @@ import logging
 
 from ..errors import ConfigError
 from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name, __init__.HOOKS)
+from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
+                             around_resolve_runtime_config)
+from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
 from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
@@ -106,9 +109,21 @@ def _tree_topk(model_runner) -> int:
     return int(get_spec().speculative_eagle_topk or 0)
 
 
+def _is_dspark_draft_runner(model_runner) -> bool:
+    return bool(getattr(model_runner, "is_draft_worker", False)) and model_runner.spec_algorithm.is_dspark()
+
+
 def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
     if _tree_topk(model_runner) <= 1:
         return original(model_runner, **kwargs)
+    if _is_dspark_draft_runner(model_runner):
+        # the DSpark draft runner keeps SGLang's own backend, built as for SGLang's DSpark chain of
+        # the tree's gamma; only the target gets the tree backend
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, **kwargs)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import (
         is_dsv4_mega_attn_enabled, is_dsv4_trtllm_attn_enabled)
 
@@ -122,6 +137,12 @@ def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
 def around_create_deepseek_v4_multistep_backend(original, model_runner, topk, speculative_num_steps):
     if topk <= 1:
         return original(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+    if _is_dspark_draft_runner(model_runner):
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, topk=1, speculative_num_steps=speculative_num_steps)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import is_dsv4_trtllm_attn_enabled
 
     if is_dsv4_trtllm_attn_enabled():
