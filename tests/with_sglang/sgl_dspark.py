@@ -38,7 +38,7 @@ def sglang_markov_head(w1: torch.Tensor, w2: torch.Tensor, monkeypatch):
     monkeypatch.setenv("SGLANG_DSPARK_OPT_MARKOV_W2_BF16", "0")
     head = DSparkV4MarkovHead(vocab_size=w1.shape[0], markov_rank=w1.shape[1])
     with torch.no_grad():
-        head.markov_w1.weight.copy_(w1)
+        head.markov_w1.weight[:w1.shape[0]].copy_(w1)  # the embedding pads its rows to 64 (SGLang's loader fills the first)
         head.markov_w2.weight.copy_(w2)
     return head
 

@@ -17,8 +17,10 @@ from dsv4_tree.sglang_plugin.dspark_heads import SGLangMarkovHeads
 from dsv4_tree.sglang_plugin.dspark_tree_inputs import DSparkTreeVerifyInput, draft_tree, tree_verify_input
 from dsv4_tree.sglang_plugin.graph import tree_raw_verify
 from dsv4_tree.sglang_plugin.tables import parents_from_retrieve
+from plugin_probe import dsv4_dir
 from sgl_cases import StandIn, layout
 from sgl_dspark import sglang_markov_head, use_triton_tree_kernels
+from sgl_pool import published_context
 from test_sglang_tree_rows import assert_rows_are_paths
 
 VOCAB, RANK, GAMMA = 300, 8, 5
@@ -26,11 +28,15 @@ VOCAB, RANK, GAMMA = 300, 8, 5
 
 @pytest.mark.parametrize("topk, n, lens, seed", [
     (4, 8, [255, 40], 0), (4, 10, [127, 508], 1), (2, 6, [3, 767], 2), (3, 9, [383, 124], 3), (4, 5, [0, 250], 4)])
-def test_dspark_tree_rows_equal_their_paths_as_chains(monkeypatch, no_flashmla_schedule, topk, n, lens, seed):
+def test_dspark_tree_rows_equal_their_paths_as_chains(monkeypatch, no_flashmla_schedule, tmp_path, topk, n, lens,
+                                                      seed):
+    from sglang.srt.runtime_context import get_parallel
+
     gen = torch.Generator().manual_seed(seed)
     use_triton_tree_kernels(monkeypatch)
-    head = sglang_markov_head(torch.randn(VOCAB, RANK, generator=gen), torch.randn(VOCAB, RANK, generator=gen),
-                              monkeypatch)
+    with published_context(dsv4_dir(str(tmp_path)), n), get_parallel().override(tp_group=None):
+        head = sglang_markov_head(torch.randn(VOCAB, RANK, generator=gen), torch.randn(VOCAB, RANK, generator=gen),
+                                  monkeypatch)
     heads = SGLangMarkovHeads(SimpleNamespace(markov_head=head))
     bs = len(lens)
     base = 3 * torch.randn(bs, GAMMA, VOCAB, generator=gen)
