@@ -15,7 +15,8 @@ stores it: SGLANG_DSPARK_OPT_MARKOV_W2_BF16=0). What is substituted, by name:
   step's verify input is the engine's tree (`RecordedVerify`);
 * the DSpark draft model's context-KV write (`write_target_hidden_kv`): recorded (`ContextWrites`);
 * SGLang's CUDA tree kernels: its own Triton versions (`sgl_build_tree_kernel_triton`,
-  `verify_tree_greedy_triton`, the ones it runs on XPU), under the Triton interpreter."""
+  `verify_tree_greedy_triton`, the ones it runs on XPU), under the Triton interpreter; its verify
+  window gather (`assign_extend_cache_locs_uniform`) likewise."""
 from __future__ import annotations
 
 import contextlib
@@ -55,6 +56,15 @@ def use_triton_tree_kernels(monkeypatch) -> None:
     monkeypatch.setattr(eagle_utils, "verify_tree_greedy_func", greedy)
 
 
+def use_triton_window_kernel(monkeypatch) -> None:
+    """SGLang's verify-window gather (`assign_extend_cache_locs_uniform_func`) takes its Triton kernel
+    on CUDA / HIP / MUSA / XPU and a CPU `sgl_kernel` op elsewhere (not installed here): the Triton
+    branch, as on XPU, under the interpreter."""
+    from sglang.kernels.ops.speculative import cache_locs
+
+    monkeypatch.setattr(cache_locs, "_is_xpu", True)
+
+
 def use_plugin_commit_hooks(monkeypatch) -> None:
     """The plug-in's AROUND hooks on SGLang's commit calls, as its HookRegistry installs them."""
     import functools
@@ -63,7 +73,9 @@ def use_plugin_commit_hooks(monkeypatch) -> None:
     from sglang.srt.speculative import eagle_worker_common as ewc
 
     from dsv4_tree.sglang_plugin import hooks
+    from dsv4_tree.sglang_plugin.commit import move_kv_cache
 
+    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "move_kv_cache", move_kv_cache, raising=False)  # register() sets it
     clear = DeepSeekV4TokenToKVPool.clear_unaccepted_c128_draft_states
     monkeypatch.setattr(DeepSeekV4TokenToKVPool, "clear_unaccepted_c128_draft_states",
                         lambda pool, *a, **k: hooks.around_clear_unaccepted_c128_draft_states(clear, pool, *a, **k))

@@ -22,7 +22,7 @@ from dsv4_tree.sglang_plugin.scratch import ensure_scratch
 from plugin_probe import dsv4_dir
 from sgl_cases import layout
 from sgl_dspark import (RecordedDraft, RecordedVerify, greedy_sampling_info, recorded_worker, sglang_markov_head,
-                        use_plugin_commit_hooks, use_triton_tree_kernels)
+                        use_plugin_commit_hooks, use_triton_tree_kernels, use_triton_window_kernel)
 from sgl_pool import make_pool, published_context
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,7 @@ def test_rounds_through_the_tree_step_equal_the_engine(trace, tmp_path, monkeypa
     req_to_token, mapping = layout(lens, N, torch.Generator().manual_seed(0), max_len=512)
     rows = req_to_token.shape[0]
     use_triton_tree_kernels(monkeypatch)
+    use_triton_window_kernel(monkeypatch)
     use_plugin_commit_hooks(monkeypatch)
     with published_context(dsv4_dir(str(tmp_path)), N), get_parallel().override(tp_group=None):
         target_pool = make_pool(rows * 2 + 1, rows, mapping)
