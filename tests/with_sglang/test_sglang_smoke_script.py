@@ -89,7 +89,8 @@ def test_dspark_dry_run_launches_pass_sglang_resolution(dspark_model):
         r = launch["resolved"]
         assert (r["speculative_algorithm"], r["speculative_eagle_topk"], r["speculative_num_draft_tokens"],
                 r["speculative_num_steps"], r["disable_cuda_graph"]) == ("DSPARK", topk, n, 1, eager_only), r
-        assert r["speculative_dspark_block_size"] in (None, 5) and r["dsv4_attn_backend"] == "flashmla"
+        # the tree's gamma, declared by the plug-in's argument hook (SGLang's chain leaves the flag unset)
+        assert r["speculative_dspark_block_size"] == (None if topk == 1 else 5) and r["dsv4_attn_backend"] == "flashmla"
     assert "[dry-run] DSPARK topk 4, CUDA graphs (dsv4_tree tree path): accepted" in err
 
 
