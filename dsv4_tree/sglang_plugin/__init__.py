@@ -30,6 +30,9 @@ HOOKS = (
      "around_finalize_accept_tree_path"),
     ("sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.clear_unaccepted_c128_draft_states",
      "AROUND", "around_clear_unaccepted_c128_draft_states"),
+    # the C4 state ring of a tree window wider than SGLang's ring serves (ring.py)
+    ("sglang.srt.mem_cache.deepseek_v4_memory_pool.resolve_compress_state_ring_size", "AROUND",
+     "around_resolve_compress_state_ring_size"),
     # DSpark trees (dspark_runtime.py, dspark_worker.py)
     ("sglang.srt.speculative.dspark_components.dspark_config.resolve_runtime_config", "AROUND",
      "around_resolve_runtime_config"),

@@ -38,6 +38,7 @@ from .draft_metadata import draft_step_metadata
 from .graph import TreeRawDecodeMetadata, tree_raw_verify, verify_links
 from .indexer import tree_c4_indexer
 from .metadata import TreeDSV4Metadata, tree_verify_metadata
+from .ring import check_pool_rings
 from .scratch import check_no_cached_addresses, ensure_scratch
 
 OPS_ENV = "DSV4_TREE_SGLANG_OPS"  # the branch compressor's implementation: "triton" (default) or "torch"
@@ -102,7 +103,9 @@ class _TreeMixin:
         self._tree_draft_out_cache_loc = None
         _check_pool(self)
         self._tree_ops = get_backend(os.environ.get(OPS_ENV, "triton"))
-        ensure_scratch(self.token_to_kv_pool, int(real_get_spec().speculative_num_draft_tokens))
+        n = int(real_get_spec().speculative_num_draft_tokens)
+        check_pool_rings(self.token_to_kv_pool, n)
+        ensure_scratch(self.token_to_kv_pool, n)
 
 
 class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):

@@ -25,21 +25,13 @@ from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name,
 from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
                              around_resolve_runtime_config)
 from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
+from .ring import around_resolve_compress_state_ring_size, tree_draft_token_capacity  # noqa: F401
 from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
 
 DSV4_TOPK_REFUSAL = "topk == 1 is supported for"  # apply_deepseek_v4_defaults' assertion
 PAGE_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1"  # _handle_eagle_family's ValueError
-
-
-def draft_token_capacity(num_draft_tokens: int) -> int:
-    """Most draft tokens per request SGLang's C4 compressor-state ring serves under speculation
-    (SGLang's own bound, `get_compress_state_write_pad`; 10 for its ring of 16)."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
-        get_compress_state_ring_size, get_compress_state_write_pad)
-
-    return get_compress_state_write_pad(4, get_compress_state_ring_size(4, max(1, num_draft_tokens)))
 
 
 def settings_from_server_args(server_args) -> TreeServeSettings:
@@ -61,7 +53,7 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         enable_prefill_cp=bool(cfg.enable_prefill_cp),
         encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
         unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
-        ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=draft_token_capacity(n),
+        ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=tree_draft_token_capacity(),
         pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
         hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
         disaggregation_mode=str(cfg.disaggregation_mode or "null"),

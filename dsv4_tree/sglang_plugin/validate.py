@@ -32,7 +32,7 @@ class TreeServeSettings:
     unified_kv: bool  # the HIP unified KV pool (not paged SWA)
     online_compress: bool  # SGLANG_OPT_USE_ONLINE_COMPRESS (online C128 state)
     ragged_verify_mode: str  # SGLANG_RAGGED_VERIFY_MODE
-    draft_token_capacity: int  # most draft tokens per request the tree path has scratch for
+    draft_token_capacity: int  # most draft tokens per request the tree path serves (ring.tree_draft_token_capacity)
     pp_size: int = 1  # pipeline parallelism: non-last stages commit through move_kv_cache alone
     multi_layer_eagle: bool = False  # --enable-multi-layer-eagle: verify without _finalize_accept_tree_path
     hisparse: bool = False  # --enable-hisparse: caches the C4 buffers' addresses before they grow
@@ -83,8 +83,9 @@ def verify_path_checks(s: TreeServeSettings) -> tuple:
                                           f"{s.disaggregation_mode!r}, must be 'null': it registers the buffers' "
                                           f"addresses, which the tree backend's scratch pages replace)"),
         (2 <= s.num_draft_tokens <= s.draft_token_capacity,
-         f"--speculative-num-draft-tokens must be in [2, {s.draft_token_capacity}] (the C4 compressor state "
-         f"ring holds that many verify rows per request), got {s.num_draft_tokens}"),
+         f"--speculative-num-draft-tokens must be in [2, {s.draft_token_capacity}] (one request's tree scratch "
+         f"slots fit two C4 index pages of 64; the C4 compressor-state ring is grown past SGLang's 16 rows per "
+         f"SWA page for windows over 10, to 32 rows up to 26, 64 up to 58, 128 beyond), got {s.num_draft_tokens}"),
     )
 
 

@@ -60,7 +60,7 @@ DSPARK_REFUSED = {"--grammar-backend none": (dict(DSPARK_TREE, grammar_backend=N
                   "disaggregation_mode='decode'": (dict(DSPARK_TREE, disaggregation_mode="decode"), TREE_ENV),
                   "--speculative-use-rejection-sampling": (dict(DSPARK_TREE, speculative_use_rejection_sampling=True), TREE_ENV),
                   "must be >= the DSpark block size 5": (dict(DSPARK_TREE, speculative_num_draft_tokens=4), TREE_ENV),
-                  "--speculative-num-draft-tokens must be in [2, 10]": (dict(DSPARK_TREE, speculative_num_draft_tokens=16), TREE_ENV)}
+                  "--speculative-num-draft-tokens must be in [2, 64]": (dict(DSPARK_TREE, speculative_num_draft_tokens=65), TREE_ENV)}
 
 
 def resolve(model_path: str, env=None, **kw):
@@ -79,6 +79,41 @@ def resolve(model_path: str, env=None, **kw):
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def rings(model_path: str, env=None, **kw):
+    """Resolve, publish the result as SGLang's scheduler does, then the C4 / C128 state ring sizes
+    SGLang's pool configurator reads (its own imported `resolve_compress_state_ring_size`, which
+    the plug-in's hook must reach) and its ring-capacity assertion for the resolved N."""
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.model_executor import pool_configurator as pc
+    from sglang.srt.server_args import ServerArgs
+
+    args = dict(model_path=model_path, speculative_algorithm="EAGLE", speculative_num_steps=3,
+                skip_tokenizer_init=True, device="cpu", random_seed=0)
+    args.update(kw)
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    saved = rc.snapshot_context()
+    try:
+        a = ServerArgs(**args)
+        a.resolve_once()
+        rc.publish(a, role="scheduler")
+        out = {"ok": True, "c4": pc.resolve_compress_state_ring_size(4), "c128": pc.resolve_compress_state_ring_size(128)}
+        conf = object.__new__(pc.DSV4PoolConfigurator)  # the two fields _assert_ring_serves_draft_tokens reads
+        conf.stage_owner_layers, conf.ring_sizes = {4: [1, 3], 128: [2]}, {4: out["c4"], 128: out["c128"]}
+        try:
+            conf._assert_ring_serves_draft_tokens(pc.max_speculative_num_draft_tokens() or 0)  # SGLang's call
+            out["assert"] = "ok"
+        except AssertionError as exc:
+            out["assert"] = str(exc)
+        return out
+    except BaseException as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        rc.restore_context(saved)
+        for k, v in saved_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
@@ -102,7 +137,8 @@ def main() -> None:
     out["v4_topk4_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     out["v4_topk4_debug_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                                            debug_cuda_graph=True)
-    out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
+    out["v4_topk4_n16"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
+    out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=65,
                                    disable_cuda_graph=True)
     # a tree needing more candidates than topk x 1 step gives, and the largest that fits
     for n in (3, 4):
@@ -124,6 +160,18 @@ def main() -> None:
     out["dspark_topk4_default_n"] = resolve(ds, env=TREE_ENV, **dict(DSPARK_TREE, speculative_num_draft_tokens=None))
     out["dspark_refused"] = {name: resolve(ds, env=env, **kw) for name, (kw, env) in DSPARK_REFUSED.items()}
     out["llama_dspark_topk4"] = resolve(llama, **DSPARK_TREE)
+    out["dspark_topk4_n16"] = resolve(ds, env=TREE_ENV, **dict(DSPARK_TREE, speculative_num_draft_tokens=16))
+    out["dspark_topk4_n16_eager"] = resolve(ds, env=TREE_ENV, disable_cuda_graph=True,
+                                            **dict(DSPARK_TREE, speculative_num_draft_tokens=16))
+    # the state rings SGLang's pool configurator sizes, for chains and trees
+    out["rings"] = {
+        "v4_topk1_n4": rings(v4, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+        "v4_topk1_n16": rings(v4, speculative_eagle_topk=1, speculative_num_steps=15, speculative_num_draft_tokens=16),
+        "v4_topk4_n10": rings(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=10),
+        "v4_topk4_n16": rings(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16),
+        "v4_topk4_n27": rings(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=27),
+        "dspark_topk1": rings(ds, **DSPARK),
+        "dspark_topk4_n16": rings(ds, env=TREE_ENV, **dict(DSPARK_TREE, speculative_num_draft_tokens=16))}
     print("PROBE " + json.dumps(out))
 
 

@@ -6,7 +6,11 @@ it the way SGLang's DeepSeek-V4 model does during a verify (SWA records through 
 The pool needs SGLang's runtime context (its constructor reads the resolved exec / spec
 settings): `published_context` resolves ServerArgs for a tiny local DeepSeek-V4 config with
 EAGLE speculation (which gives the speculative state rings: C4 16 rows per SWA page, C128 256 per
-request) and publishes it, restoring the previous context afterwards."""
+request) and publishes it, restoring the previous context afterwards. With topk > 1 the published
+spec carries that topk, as the plug-in's argument hooks leave it for a tree (SGLang alone refuses
+topk > 1 for DeepSeek-V4, so it is set on the published context, SGLang's `override`); `make_pool` sizes the C4
+state pool by the ring SGLang's `resolve_compress_state_ring_size` gives under that context (the
+plug-in's ring hook, where a test applies it)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +24,7 @@ LAYER_RATIOS = [4, 128, 0]  # one C4 layer (with its indexer), one C128 layer, o
 
 
 @contextlib.contextmanager
-def published_context(model_dir: str, num_draft_tokens: int):
+def published_context(model_dir: str, num_draft_tokens: int, topk: int = 1):
     from sglang.srt import runtime_context as rc
     from sglang.srt.server_args import ServerArgs
 
@@ -30,6 +34,8 @@ def published_context(model_dir: str, num_draft_tokens: int):
     args.resolve_once()
     saved = rc.snapshot_context()
     rc.publish(args, role="scheduler")
+    if topk != 1:
+        rc.get_context().override("dsv4_tree test: a tree's topk", speculative_eagle_topk=topk)
     try:
         yield
     finally:
@@ -40,13 +46,14 @@ def make_pool(num_full_pages: int, max_num_reqs: int, mapping: torch.Tensor, rat
     """A DeepSeekV4TokenToKVPool for token slots [0, num_full_pages * 256) (page 0 reserved),
     an SWA pool of as many pages, one layer per entry of `ratios` (kw: more of the pool's
     constructor arguments)."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
 
     full = num_full_pages * PAGE
     c128 = full // 128
-    pool = DeepSeekV4TokenToKVPool(
+    c4_ring = mp.resolve_compress_state_ring_size(4)  # rows per SWA page (the configurator's sizing)
+    pool = mp.DeepSeekV4TokenToKVPool(
         max_num_reqs=max_num_reqs, swa_size=full - PAGE, c4_size=full // 4, c128_size=c128,
-        c4_state_pool_size=num_full_pages * 16, c128_state_pool_size=(max_num_reqs + 1) * 256, page_size=PAGE,
+        c4_state_pool_size=num_full_pages * c4_ring, c128_state_pool_size=(max_num_reqs + 1) * 256, page_size=PAGE,
         swa_page_size=PAGE, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
         qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios), device="cpu",
         enable_memory_saver=False, compression_ratios=list(ratios), **kw)

@@ -26,14 +26,14 @@ from sgl_dspark import (RecordedDraft, RecordedVerify, greedy_sampling_info, rec
 from sgl_pool import make_pool, published_context
 
 ROOT = Path(__file__).resolve().parents[2]
-N, ROUNDS, NEW, LENGTHS = 8, 5, 24, (40, 23)
+ROUNDS, NEW, LENGTHS = 5, 24, (40, 23)
 
 
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
+@pytest.fixture(scope="module", params=[8, 16])  # 16: past SGLang's C4 ring bound of 10 (the plug-in's ring)
+def trace(tmp_path_factory, request):
     """The engine's rounds, recorded in the main environment (built by scripts/env.sh if missing)."""
     out = tmp_path_factory.mktemp("oracle") / "trace.pt"
-    cmd = (f"source scripts/env.sh >&2 && python tests/with_sglang/dspark_oracle.py {out} {N} {ROUNDS} {NEW} "
+    cmd = (f"source scripts/env.sh >&2 && python tests/with_sglang/dspark_oracle.py {out} {request.param} {ROUNDS} {NEW} "
            + " ".join(map(str, LENGTHS)))
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     run = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -42,9 +42,18 @@ def trace(tmp_path_factory):
 
 
 def test_rounds_through_the_tree_step_equal_the_engine(trace, tmp_path, monkeypatch):
+    from functools import partial
+
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.runtime_context import get_parallel
 
+    from dsv4_tree.sglang_plugin.ring import around_resolve_compress_state_ring_size
+
+    # the plug-in's C4 state ring under the tree's published spec, as register() applies it
+    monkeypatch.setattr(mp, "resolve_compress_state_ring_size",
+                        partial(around_resolve_compress_state_ring_size, mp.resolve_compress_state_ring_size))
+    N = trace["n"]
     gamma, bs = trace["gamma"], len(LENGTHS)
     lens = [p["seq_len"] for p in trace["prefill"]]
     req_to_token, mapping = layout(lens, N, torch.Generator().manual_seed(0), max_len=512)
@@ -52,8 +61,9 @@ def test_rounds_through_the_tree_step_equal_the_engine(trace, tmp_path, monkeypa
     use_triton_tree_kernels(monkeypatch)
     use_triton_window_kernel(monkeypatch)
     use_plugin_commit_hooks(monkeypatch)
-    with published_context(dsv4_dir(str(tmp_path)), N), get_parallel().override(tp_group=None):
+    with published_context(dsv4_dir(str(tmp_path)), N, topk=trace["topk"]), get_parallel().override(tp_group=None):
         target_pool = make_pool(rows * 2 + 1, rows, mapping)
+        assert target_pool.compress_state_pools[0].ring_size == (16 if N <= 10 else 32)
         ensure_scratch(target_pool, N)
         draft_pool = make_pool(rows * 2 + 1, rows, mapping, ratios=(0,))
         translator = KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=SimpleNamespace(),
@@ -93,7 +103,7 @@ def test_rounds_through_the_tree_step_equal_the_engine(trace, tmp_path, monkeypa
                     logp = torch.log_softmax(x["logits"][x["path"]].float(), -1)
                     toks = out[b, :len(x["path"])].long()
                     assert torch.allclose(lp[b, :len(x["path"])], logp.gather(1, toks.view(-1, 1)).view(-1)), (r, b)
-            check_context_commit(draft, worker, round_, req_to_token, rpi, draft_pool, seq, r)
+            check_context_commit(draft, worker, round_, req_to_token, rpi, draft_pool, seq, r, N)
             seq = result.new_seq_lens.clone()
             batch.spec_info = result.next_draft_input
             batch.forward_mode = ForwardMode.DECODE
@@ -103,7 +113,7 @@ def test_rounds_through_the_tree_step_equal_the_engine(trace, tmp_path, monkeypa
     assert sum(len(e) for e in emitted) > ROUNDS * bs  # trees accepted more than the bonus
 
 
-def check_context_commit(draft, worker, round_, req_to_token, rpi, draft_pool, seq, r) -> None:
+def check_context_commit(draft, worker, round_, req_to_token, rpi, draft_pool, seq, r, N) -> None:
     """The round's draft-context write: the accepted nodes' target features at positions P + depth
     (the engine's committed rows), exactly what SGLang's chain commit writes for a chain whose
     first accept_len columns are the accepted path."""

@@ -27,7 +27,8 @@ VOCAB, RANK, GAMMA = 300, 8, 5
 
 
 @pytest.mark.parametrize("topk, n, lens, seed", [
-    (4, 8, [255, 40], 0), (4, 10, [127, 508], 1), (2, 6, [3, 767], 2), (3, 9, [383, 124], 3), (4, 5, [0, 250], 4)])
+    (4, 8, [255, 40], 0), (4, 10, [127, 508], 1), (2, 6, [3, 767], 2), (3, 9, [383, 124], 3), (4, 5, [0, 250], 4),
+    (4, 16, [250, 500], 5)])  # 16: past SGLang's C4 ring bound (windows across a page and a C128 block)
 def test_dspark_tree_rows_equal_their_paths_as_chains(monkeypatch, no_flashmla_schedule, tmp_path, topk, n, lens,
                                                       seed):
     from sglang.srt.runtime_context import get_parallel

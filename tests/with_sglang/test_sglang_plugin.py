@@ -39,7 +39,7 @@ def probes(tmp_path_factory):
 def test_load_plugins_applies_every_hook(probes):
     on, off = probes
     assert on["entry_points"] == ["dsv4_tree=dsv4_tree.sglang_plugin:register"]
-    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 12
+    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 13
     assert off["applied"] == []
     assert on["move_kv_cache"] and not off["move_kv_cache"]  # set by register() (the registry cannot add it)
 
@@ -61,7 +61,8 @@ def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
     debug = on["v4_topk4_debug_graphs"]["error"]  # SGLang's breakable graphs: refused by name
     assert debug.startswith("ConfigError") and "--debug-cuda-graph" in debug, debug
     many = on["v4_topk4_many"]["error"]
-    assert many.startswith("ConfigError") and "--speculative-num-draft-tokens" in many and "got 16" in many
+    assert many.startswith("ConfigError") and "--speculative-num-draft-tokens must be in [2, 64]" in many, many
+    assert "got 65" in many, many
     few = on["v4_topk2_one_step_n4"]  # SGLang's own resolution accepts it; the validator refuses it
     assert not few["ok"] and few["error"].startswith("ConfigError"), few
     assert "organize_draft_results" in few["error"] and "at most 3" in few["error"], few
@@ -101,6 +102,41 @@ def test_dspark_topk4_resolves_with_graphs_on_and_off(probes):
     assert default_n["ok"] and default_n["resolved"]["speculative_num_draft_tokens"] == "6", default_n
 
 
+def test_sixteen_draft_tokens_resolve_for_trees(probes):
+    """EAGLE and DSPARK trees of 16 verify rows (past SGLang's ring bound of 10) resolve with the
+    plug-in, graphs on and off; without it SGLang refuses them (its topk / gamma + 1 gates)."""
+    on, off = probes
+    for name in ("v4_topk4_n16", "dspark_topk4_n16", "dspark_topk4_n16_eager"):
+        res = on[name]
+        assert res["ok"], (name, res)
+        r = res["resolved"]
+        assert (r["speculative_eagle_topk"], r["speculative_num_draft_tokens"]) == ("4", "16"), (name, r)
+        assert not off[name]["ok"], (name, off[name])
+    assert on["dspark_topk4_n16_eager"]["resolved"]["disable_cuda_graph"] == "True"
+    assert on["v4_topk4_n16"]["resolved"]["disable_cuda_graph"] == "False"
+
+
+def test_state_rings_sglangs_pool_configurator_reads(probes):
+    """The C4 state ring SGLang's pool configurator sizes (its own imported
+    resolve_compress_state_ring_size, reached by the plug-in's hook): SGLang's 16 rows for chains
+    and trees of N <= 10, 32 for a tree of 16, 64 for 27; C128 stays 256; the configurator's own
+    ring-capacity assertion passes for those trees. Chains get SGLang's rings and SGLang's
+    refusal of N = 16 word for word, with the plug-in or without."""
+    on, off = probes
+    rings = on["rings"]
+    want = {"v4_topk1_n4": 16, "v4_topk1_n16": 16, "v4_topk4_n10": 16, "v4_topk4_n16": 32, "v4_topk4_n27": 64,
+            "dspark_topk1": 16, "dspark_topk4_n16": 32}
+    assert {k: v.get("c4") for k, v in rings.items()} == want, rings
+    assert all(v["c128"] == 256 for v in rings.values()), rings
+    for name in ("v4_topk1_n4", "v4_topk4_n10", "v4_topk4_n16", "v4_topk4_n27", "dspark_topk1", "dspark_topk4_n16"):
+        assert rings[name]["assert"] == "ok", (name, rings[name])
+    chain16 = rings["v4_topk1_n16"]["assert"]
+    assert "speculative_num_draft_tokens=16 exceeds" in chain16 and "serves at most 10" in chain16, chain16
+    for name in ("v4_topk1_n4", "v4_topk1_n16", "dspark_topk1"):
+        assert on["rings"][name] == off["rings"][name], name
+    assert not off["rings"]["v4_topk4_n16"]["ok"]  # SGLang alone refuses the tree at resolution
+
+
 def test_dspark_topk1_resolves_as_stock_sglang(probes):
     on, off = probes
     for name in ("dspark_topk1", "dspark_topk1_eager"):
@@ -127,7 +163,7 @@ def settings(**kw) -> TreeServeSettings:
                 num_draft_tokens=8,
                 dsv4_attn_backend="flashmla", disable_cuda_graph=True, attn_cp_size=1, dcp_size=1,
                 enable_prefill_cp=False, encoder_swa_bounded_replay=False, unified_kv=False, online_compress=False,
-                ragged_verify_mode="static", draft_token_capacity=10)
+                ragged_verify_mode="static", draft_token_capacity=64)
     base.update(kw)
     return TreeServeSettings(**base)
 
@@ -145,7 +181,7 @@ def settings(**kw) -> TreeServeSettings:
     ({"unified_kv": True}, "unified_kv_triton"),
     ({"online_compress": True}, "SGLANG_OPT_USE_ONLINE_COMPRESS"),
     ({"ragged_verify_mode": "dynamic"}, "SGLANG_RAGGED_VERIFY_MODE"),
-    ({"num_draft_tokens": 11}, "--speculative-num-draft-tokens"),
+    ({"num_draft_tokens": 65, "num_steps": 5}, "--speculative-num-draft-tokens must be in \\[2, 64\\].*got 65"),
     ({"model_arch": "LlamaForCausalLM"}, "LlamaForCausalLM"),
     ({"pp_size": 2}, "pp_size=2, must be 1"),
     ({"multi_layer_eagle": True}, "--enable-multi-layer-eagle"),
@@ -180,7 +216,7 @@ def dspark_settings(**kw) -> TreeServeSettings:
     ({"ragged_verify_mode": "cap-accept"}, "SGLANG_RAGGED_VERIFY_MODE"),
     ({"disaggregation_mode": "prefill"}, "disaggregation_mode='prefill'"),
     ({"metadata_glue": True}, "SGLANG_ENABLE_METADATA_GLUE_GRAPH"),
-    ({"num_draft_tokens": 16}, "--speculative-num-draft-tokens must be in \\[2, 10\\]"),
+    ({"num_draft_tokens": 65}, "--speculative-num-draft-tokens must be in \\[2, 64\\]"),
 ])
 def test_dspark_validator_names_the_setting(change, named):
     validate_tree_settings(dspark_settings())  # the accepted configuration: topk 4, gamma 5, N 8

@@ -149,3 +149,96 @@ def test_failure_mid_commit_leaves_the_pools_as_before(context, no_flashmla_sche
         chain_round(case.chain_pool, case.req_to_token, case.mapping, int(rpi[b]), lens[b],
                     inputs.rows(torch.tensor([b * n + a for a in path])), case.comps, ops)
     check_round(case, rpi, lens, paths, before, n, f"retry after {fail_at=} {paths=}")
+
+
+@pytest.fixture
+def tree_ring(monkeypatch):
+    """The plug-in's ring hook on SGLang's `resolve_compress_state_ring_size`, as register() applies
+    it in every SGLang process (the registry itself: test_sglang_plugin.py)."""
+    from functools import partial
+
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+
+    from dsv4_tree.sglang_plugin.ring import around_resolve_compress_state_ring_size
+
+    monkeypatch.setattr(mp, "resolve_compress_state_ring_size",
+                        partial(around_resolve_compress_state_ring_size, mp.resolve_compress_state_ring_size))
+
+
+def c4_rings(pool) -> set:
+    return {sp.ring_size for sp in pool.compress_state_pools + pool.indexer_compress_state_pools
+            if sp is not None and sp.ratio == 4}
+
+
+N16 = 16  # past SGLang's bound of 10 for its C4 ring of 16 rows per SWA page
+
+
+def next_round_rows(pool, req_to_token, rpi, new_lens) -> dict:
+    """name -> the C4 state rows of positions P' - 7 .. P' - 1 of every request (P' its new length):
+    what the next round's compressions read. The byte comparisons mask rows by the window's
+    positions, which on a ring narrower than the window also names these rows; this reads them
+    by position."""
+    out = {}
+    for name, pools in (("state", pool.compress_state_pools), ("index_state", pool.indexer_compress_state_pools)):
+        for layer, sp in enumerate(pools):
+            if sp is None or sp.ratio != 4:
+                continue
+            slots = torch.cat([req_to_token[int(r), p - 7:p] for r, p in zip(rpi, new_lens)]).to(torch.int64)
+            swa = pool.translate_loc_from_full_to_swa(slots).to(torch.int64)
+            out[f"{name}.{layer}"] = sp.kv_score_buffer.kv_score[sp.translate_from_swa_loc_to_state_loc(swa)].clone()
+    return out
+
+
+def test_rounds_in_a_row_at_sixteen_draft_tokens_with_the_grown_ring(tmp_path, no_flashmla_schedule, tree_ring):
+    """N = 16 with the plug-in's C4 ring (32 rows per SWA page, write pad 26): round after round,
+    committed state equals the chain run of the accepted paths and no write leaves the window;
+    the branch compressor is the Triton kernel (interpreter). The backend's pool check accepts
+    the pool."""
+    from dsv4_tree.sglang_plugin.ring import check_pool_rings
+
+    gen = torch.Generator().manual_seed(41)
+    lens = [117, 300]  # nodes 10..15 of both windows share an SWA page with positions P - 6 .. P - 1
+    with published_context(dsv4_dir(str(tmp_path)), N16, topk=4):
+        install_move_kv_cache()
+        case = Case(lens, gen, N16)
+        assert c4_rings(case.tree_pool) == {32}
+        check_pool_rings(case.tree_pool, N16)
+        rpi = torch.tensor([1, 2], dtype=torch.int32)
+        ops = get_backend("triton")
+        for r, (topk, steps) in enumerate([(4, 2), (3, 3), (2, 5), (4, 3)]):
+            paths, before, *_ = one_round(case, rpi, lens, topk, steps, N16, gen, ops, last_child=r % 2 == 1)
+            label = f"round {r} {topk=} {steps=} {lens=} {paths=}"
+            check_round(case, rpi, lens, paths, before, N16, label)
+            lens = [p + len(path) for p, path in zip(lens, paths)]
+            tree, chain = (next_round_rows(p, case.req_to_token, rpi, lens) for p in case.pools)
+            assert sorted(tree) == ["index_state.0", "state.0"], label
+            assert all(torch.equal(tree[k].view(torch.int32), chain[k].view(torch.int32)) for k in tree), label
+    assert lens[0] >= 128, lens  # a C128 block closed in request 0
+
+
+def test_sixteen_draft_tokens_on_sglangs_ring_overwrite_committed_rows(tmp_path, no_flashmla_schedule):
+    """Without the ring hook (SGLang's C4 ring of 16 rows per SWA page) the same window of 16
+    writes nodes 10..15's state rows over the committed rows of positions P - 6 .. P - 1, which the
+    next round's compressions read: after the commit they differ from the chain run's. The
+    backend's pool check refuses such a pool by name."""
+    from dsv4_tree.errors import ConfigError
+    from dsv4_tree.sglang_plugin.ring import check_pool_rings
+
+    gen = torch.Generator().manual_seed(41)
+    lens = [117, 300]
+    with published_context(dsv4_dir(str(tmp_path)), N16, topk=4):
+        install_move_kv_cache()
+        case = Case(lens, gen, N16)
+        assert c4_rings(case.tree_pool) == {16}
+        with pytest.raises(ConfigError, match="C4 state ring of 16 rows serves at most 10 draft tokens"):
+            check_pool_rings(case.tree_pool, N16)
+        rpi = torch.tensor([1, 2], dtype=torch.int32)
+        paths, *_ = one_round(case, rpi, lens, 4, 2, N16, gen, get_backend("torch"))
+        lens = [p + len(path) for p, path in zip(lens, paths)]
+        tree, chain = (next_round_rows(p, case.req_to_token, rpi, lens) for p in case.pools)
+        assert sorted(tree) == ["index_state.0", "state.0"]
+        for k in tree:  # column j: position P' - 7 + j
+            same = (tree[k].view(torch.int32) == chain[k].view(torch.int32)).all(dim=1).view(len(lens), 7)
+            for b, path in enumerate(paths):
+                kept = 7 - len(path)  # committed before the round (P - 6 .. P - 1 here): all overwritten
+                assert not same[b, :kept].any() and same[b, kept:].all(), (k, b, path, same)
