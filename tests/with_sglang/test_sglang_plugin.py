@@ -137,6 +137,25 @@ def test_state_rings_sglangs_pool_configurator_reads(probes):
     assert not off["rings"]["v4_topk4_n16"]["ok"]  # SGLang alone refuses the tree at resolution
 
 
+def test_tree_c4_ring_is_the_smallest_that_serves_the_window():
+    """For every N the validator accepts: the ring's write pad (SGLang's function) holds N, the
+    ring divides the SWA page and is a multiple of 4 (c_plan.cuh's checks), it is SGLang's ring
+    up to SGLang's bound and otherwise half of it would not serve N; past the SWA page, refused."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (get_compress_state_ring_size,
+                                                              get_compress_state_write_pad as pad)
+
+    from dsv4_tree.sglang_plugin.ring import tree_c4_ring_size, tree_draft_token_capacity
+
+    stock = get_compress_state_ring_size(4, 1)
+    assert stock == 16 and pad(4, stock) == 10 and tree_draft_token_capacity() == 64
+    for n in range(2, tree_draft_token_capacity() + 1):
+        ring = tree_c4_ring_size(n, stock)
+        assert pad(4, ring) >= n and 256 % ring == 0 and ring % 4 == 0, (n, ring)
+        assert ring == stock if n <= 10 else pad(4, ring // 2) < n, (n, ring)
+    with pytest.raises(ConfigError, match="wider than the SWA page of 256 rows"):
+        tree_c4_ring_size(251, stock)
+
+
 def test_dspark_topk1_resolves_as_stock_sglang(probes):
     on, off = probes
     for name in ("dspark_topk1", "dspark_topk1_eager"):
