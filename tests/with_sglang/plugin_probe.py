@@ -60,7 +60,8 @@ DSPARK_REFUSED = {"--grammar-backend none": (dict(DSPARK_TREE, grammar_backend=N
                   "disaggregation_mode='decode'": (dict(DSPARK_TREE, disaggregation_mode="decode"), TREE_ENV),
                   "--speculative-use-rejection-sampling": (dict(DSPARK_TREE, speculative_use_rejection_sampling=True), TREE_ENV),
                   "must be >= the DSpark block size 5": (dict(DSPARK_TREE, speculative_num_draft_tokens=4), TREE_ENV),
-                  "--speculative-num-draft-tokens must be in [2, 64]": (dict(DSPARK_TREE, speculative_num_draft_tokens=65), TREE_ENV)}
+                  "--speculative-num-draft-tokens must be in [2, 64]": (dict(DSPARK_TREE, speculative_num_draft_tokens=65),
+                                                                        TREE_ENV)}
 
 
 def resolve(model_path: str, env=None, **kw):
@@ -100,7 +101,8 @@ def rings(model_path: str, env=None, **kw):
         a = ServerArgs(**args)
         a.resolve_once()
         rc.publish(a, role="scheduler")
-        out = {"ok": True, "c4": pc.resolve_compress_state_ring_size(4), "c128": pc.resolve_compress_state_ring_size(128)}
+        ring = pc.resolve_compress_state_ring_size
+        out = {"ok": True, "c4": ring(4), "c128": ring(128)}
         conf = object.__new__(pc.DSV4PoolConfigurator)  # the two fields _assert_ring_serves_draft_tokens reads
         conf.stage_owner_layers, conf.ring_sizes = {4: [1, 3], 128: [2]}, {4: out["c4"], 128: out["c128"]}
         try:
@@ -138,8 +140,8 @@ def main() -> None:
     out["v4_topk4_debug_graphs"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                                            debug_cuda_graph=True)
     out["v4_topk4_n16"] = resolve(v4, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
-    out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=65,
-                                   disable_cuda_graph=True)
+    out["v4_topk4_many"] = resolve(v4, speculative_eagle_topk=4, speculative_num_steps=5,
+                                   speculative_num_draft_tokens=65, disable_cuda_graph=True)
     # a tree needing more candidates than topk x 1 step gives, and the largest that fits
     for n in (3, 4):
         out[f"v4_topk2_one_step_n{n}"] = resolve(v4, speculative_eagle_topk=2, speculative_num_steps=1,

@@ -33,7 +33,8 @@ ROUNDS, NEW, LENGTHS = 5, 24, (40, 23)
 def trace(tmp_path_factory, request):
     """The engine's rounds, recorded in the main environment (built by scripts/env.sh if missing)."""
     out = tmp_path_factory.mktemp("oracle") / "trace.pt"
-    cmd = (f"source scripts/env.sh >&2 && python tests/with_sglang/dspark_oracle.py {out} {request.param} {ROUNDS} {NEW} "
+    cmd = (f"source scripts/env.sh >&2 && python tests/with_sglang/dspark_oracle.py {out} {request.param} "
+           f"{ROUNDS} {NEW} "
            + " ".join(map(str, LENGTHS)))
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     run = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
