@@ -21,6 +21,10 @@ import dataclasses
 import logging
 
 from ..errors import ConfigError
+from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name, __init__.HOOKS)
+from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
+                             around_resolve_runtime_config)
+from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
 from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
@@ -43,8 +47,11 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
     from sglang.srt.environ import envs
     from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
 
+    from .dspark_args import unsupported_options
+
     cfg = resolving_view(server_args)
-    archs = getattr(model_config_of(server_args).hf_config, "architectures", None) or [""]
+    hf_config = model_config_of(server_args).hf_config
+    archs = getattr(hf_config, "architectures", None) or [""]
     n = int(cfg.speculative_num_draft_tokens or 0)
     return TreeServeSettings(
         model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
@@ -59,6 +66,10 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
         disaggregation_mode=str(cfg.disaggregation_mode or "null"),
         debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
+        metadata_glue=bool(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()),
+        model_type=str(getattr(hf_config, "model_type", "")), gamma=int(cfg.speculative_dspark_block_size or 0),
+        attn_dp_size=int(cfg.attn_dp_size or 1), grammar_backend=cfg.grammar_backend,
+        unsupported=unsupported_options(cfg) if cfg.speculative_algorithm == "DSPARK" else (),
     )
 
 
@@ -98,9 +109,21 @@ def _tree_topk(model_runner) -> int:
     return int(get_spec().speculative_eagle_topk or 0)
 
 
+def _is_dspark_draft_runner(model_runner) -> bool:
+    return bool(getattr(model_runner, "is_draft_worker", False)) and model_runner.spec_algorithm.is_dspark()
+
+
 def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
     if _tree_topk(model_runner) <= 1:
         return original(model_runner, **kwargs)
+    if _is_dspark_draft_runner(model_runner):
+        # the DSpark draft runner keeps SGLang's own backend, built as for SGLang's DSpark chain of
+        # the tree's gamma; only the target gets the tree backend
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, **kwargs)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import (
         is_dsv4_mega_attn_enabled, is_dsv4_trtllm_attn_enabled)
 
@@ -114,6 +137,12 @@ def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
 def around_create_deepseek_v4_multistep_backend(original, model_runner, topk, speculative_num_steps):
     if topk <= 1:
         return original(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+    if _is_dspark_draft_runner(model_runner):
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, topk=1, speculative_num_steps=speculative_num_steps)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import is_dsv4_trtllm_attn_enabled
 
     if is_dsv4_trtllm_attn_enabled():
