@@ -1,0 +1,109 @@
+"""DSpark tree node values (drafters/node_values.py, value_events.py): the prior and the fitted g
+against hand computations, values multiplied along each candidate's path, accept events labelled
+from the emitted tokens, the logistic fit recovering known weights, and budgeted trees that change
+when the confidence head is read upside down (c -> 1 - c)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.checkpoint.dspark import DSparkSettings
+from dsv4_tree.checkpoint.tiny import random_dspark
+from dsv4_tree.drafters.base import TreeShape
+from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.drafters.dspark import DSparkDrafter
+from dsv4_tree.drafters.dspark_tree import MarkovExpansion
+from dsv4_tree.drafters.node_values import ValueModel, fit_logistic, pool_values, prior_share
+from dsv4_tree.drafters.value_events import events
+
+
+def test_prior_shares_against_a_hand_computation():
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.25, 0.25]], dtype=torch.float64)
+    conf = torch.tensor([0.8, 0.3], dtype=torch.float64)
+    # rank 0: c; rank j: (1 - c) p_j / (1 - p_0)
+    want = [[0.8, 0.2 * 0.3 / 0.4, 0.2 * 0.1 / 0.4], [0.3, 0.7 * 0.25 / 0.5, 0.7 * 0.25 / 0.5]]
+    want = torch.tensor(want, dtype=torch.float64)
+    assert torch.allclose(prior_share(probs, conf), want, rtol=0, atol=1e-12)
+    assert torch.allclose(ValueModel().share(probs, conf), want, rtol=0, atol=1e-12)
+
+
+def test_fitted_shares_against_a_hand_computation():
+    w = (0.1, 0.5, -0.2, 0.3, 0.4)
+    logit = lambda x: math.log(x / (1 - x))  # noqa: E731
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    for (p, c) in (((0.6, 0.3, 0.1), 0.8), ((0.9, 0.05, 0.05), 0.99)):
+        prior = [c] + [(1 - c) * q / (1 - p[0]) for q in p[1:]]
+        g = [sig(w[0] + w[1] * logit(pr) + w[2] * logit(c) + w[3] * math.log(q) + w[4] * (j == 0))
+             for j, (pr, q) in enumerate(zip(prior, p))]
+        g = [x / max(1.0, sum(g)) for x in g]  # siblings share at most 1
+        got = ValueModel(w).share(torch.tensor([p], dtype=torch.float64), torch.tensor([c], dtype=torch.float64))
+        assert got[0].tolist() == pytest.approx(g, rel=1e-9)
+
+
+def _hand_expansion() -> MarkovExpansion:
+    """topk 2, three depths, one request; depth 3's frontier is pool ids 2 and 4."""
+    f = lambda *x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return MarkovExpansion(
+        score_list=[], token_list=[torch.tensor([[10, 11]]), torch.tensor([[20, 21, 22, 23]]), torch.tensor([[30, 31, 32, 33]])],
+        parents_list=[torch.tensor([[-1, 0, 1]]), torch.tensor([[2, 4]])],
+        prob_list=[f([[[0.7, 0.2]]]), f([[[0.6, 0.3], [0.5, 0.4]]]), f([[[0.9, 0.05], [0.6, 0.2]]])],
+        confidence_list=[f([0.9]), f([[0.8, 0.4]]), f([[0.95, 0.5]])])
+
+
+def test_values_multiply_the_shares_along_each_path():
+    pool = pool_values(_hand_expansion(), ValueModel(), 2)
+    v1 = [0.9, 0.1 * 0.2 / 0.3]
+    v2 = [v1[0] * 0.8, v1[0] * 0.2 * 0.3 / 0.4, v1[1] * 0.4, v1[1] * 0.6 * 0.4 / 0.5]
+    v3 = [v2[0] * 0.95, v2[0] * 0.05 * 0.05 / 0.1, v2[2] * 0.5, v2[2] * 0.5 * 0.2 / 0.4]
+    assert pool.values[0].tolist() == pytest.approx(v1 + v2 + v3, rel=1e-6)
+    assert pool.parents[0].tolist() == [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4]
+    assert pool.depths.tolist() == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    flipped = _hand_expansion()
+    flipped.confidence_list = [1 - c for c in flipped.confidence_list]
+    assert pool_values(flipped, ValueModel(), 2).values[0, 0] == pytest.approx(0.1)
+
+
+def test_events_label_the_candidates_the_accepted_path_reached():
+    tokens = np.array([10, 11, 20, 21, 22, 23])
+    parents, depths = np.array([-1, -1, 0, 0, 1, 1]), np.array([1, 1, 2, 2, 2, 2])
+    feats = np.arange(6, dtype=np.float64)[:, None]
+    x, y = events(tokens, parents, depths, feats, [10, 21, 5])  # 10 then 21 accepted, bonus 5
+    assert x[:, 0].tolist() == [0, 1, 2, 3] and y.tolist() == [1, 0, 0, 1]
+    x, y = events(tokens, parents, depths, feats, [11])  # nothing accepted, bonus 11: depth 2 unknown
+    assert x[:, 0].tolist() == [0, 1] and y.tolist() == [0, 1]
+
+
+def test_the_logistic_fit_recovers_known_weights():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(6000), rng.normal(size=(6000, 3))])
+    w = np.array([-0.5, 1.5, -1.0, 0.7])
+    y = (rng.random(6000) < 1 / (1 + np.exp(-x @ w))).astype(np.float64)
+    assert np.abs(fit_logistic(x, y, l2=1e-3) - w).max() < 0.15
+
+
+def test_budgeted_trees_change_when_the_confidence_is_read_upside_down(monkeypatch):
+    model = dt.load_model(dt.tiny_checkpoint())
+    module = random_dspark(model.config, DSparkSettings(4, 8, model.vocab_size - 5, (1, 2, 3)), seed=4)
+    spec = dt.SpecConfig(eagle_topk=3, num_steps=4, num_draft_tokens=8, max_requests=8)
+    table = LineTable((1, 8), (1.0, 1.0), (0.02, 0.02))  # a node is worth verifying at value > ~0.1
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (12 + 5 * i,), generator=g).tolist() for i in range(8)]
+
+    eng = dt.Engine(model, spec)
+    eng.register_drafter(DSparkDrafter(model, TreeShape.from_spec(spec), module=module))  # the feature layers
+    reqs = eng.prefill_batch(prompts)
+
+    def trees():  # a fresh drafter: the prior values, no history
+        drafter = DSparkDrafter(model, TreeShape.from_spec(spec), module=module, cost_table=table, values=ValueModel())
+        return [(t.tokens.tolist(), t.parents.tolist()) for t in drafter.draft(eng, reqs)]
+
+    right = trees()
+    assert right == trees()
+    real = module.confidence_of
+    monkeypatch.setattr(module, "confidence_of", lambda h, prev: 1 - real(h, prev))
+    flipped = trees()
+    assert sum(a != b for a, b in zip(right, flipped)) >= 6, (right, flipped)
