@@ -71,14 +71,20 @@ def test_adaptive_chains_are_sglangs_lengths_from_two_rounds_old_confidences(mod
     assert 1 < sum(lens) / len(lens) < GAMMA + 1, lens  # rows priced to cut some chains, not all
 
 
-def test_adaptive_greedy_equals_hugging_face_for_chains_and_trees(model, module):
+def test_adaptive_greedy_equals_hugging_face_for_chains_and_trees(model, module, monkeypatch):
     prompts = _prompts(3, seed=5)
     want = [hf_greedy(model, p, 20) for p in prompts]
     for shape in (CHAIN, TREE):
         eng = dt.Engine(model, _spec(shape, max_requests=2))  # three prompts queue for two rows
+        verified, real = [], eng.verify
+        monkeypatch.setattr(eng, "verify", lambda reqs, trees: verified.extend(t.num_nodes for t in trees)
+                            or real(reqs, trees))
         outs = eng.generate_batch(prompts, 20, drafter=DSparkDrafter(model, shape, module=module), progress=False)
         assert [o.tokens for o in outs] == want, shape
+        # round_nodes: what each request-round verified, root included
         assert all(len(o.stats.round_nodes) == o.stats.rounds for o in outs)
+        assert sorted(n for o in outs for n in o.stats.round_nodes) == sorted(verified)
+        assert 1 < sum(verified) / len(verified) < shape.num_draft_tokens, verified
 
 
 def _sizes(model, module, shape, clock, per_node, monkeypatch, prompt, n_new=30):

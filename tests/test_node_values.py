@@ -107,3 +107,35 @@ def test_budgeted_trees_change_when_the_confidence_is_read_upside_down(monkeypat
     monkeypatch.setattr(module, "confidence_of", lambda h, prev: 1 - real(h, prev))
     flipped = trees()
     assert sum(a != b for a, b in zip(right, flipped)) >= 6, (right, flipped)
+
+
+def test_sampled_first_tokens_on_budgeted_trees_with_fitted_values_follow_the_target():
+    """The shipped DSpark, a fitted g and a cost table: 64 copies of one prompt share one budget, so
+    the tie order gives the requests trees of different sizes and shapes; the first token verify
+    emits on them follows the target (values are draw-independent: the trees are fixed before
+    verify's draws)."""
+    from dsv4_tree.train.corpus import heldout_prompt
+    from test_adaptive_sampling import chi2_p
+
+    trained = dt.load_model(dt.trained_checkpoint())
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=3, num_draft_tokens=8, max_requests=64, accept="sampling")
+    eng = dt.Engine(trained, spec)
+    drafter = DSparkDrafter(trained, TreeShape.from_spec(spec), size="adaptive", values=ValueModel((0.2, 0.8, 0.3, 0.2, 0.5)),
+                            cost_table=LineTable((1, 64), (1.0, 1.0), (0.004, 0.004)))
+    eng.register_drafter(drafter)
+    g = torch.Generator().manual_seed(0)
+    drafter.set_sampling(1.0, 1.0, g)
+    reqs = eng.prefill_batch([heldout_prompt(40, 5)] * 64)
+    target = dt.verify.sampling.target_probs(
+        eng.verify(reqs[:1], [dt.DraftTree.chain([reqs[0].root_token])]).logits[0][0], 1.0)
+    counts, sizes, in_tree = torch.zeros(trained.vocab_size, dtype=torch.float64), set(), 0
+    for _ in range(30):
+        trees = drafter.draft(eng, reqs)
+        sizes |= {t.num_nodes for t in trees}
+        out = eng.verify(reqs, trees)
+        for tree, acc in zip(trees, eng.accept_sampling(reqs, trees, out, 1.0, 1.0, g)):
+            counts[int(tree.tokens[acc.path[1]]) if len(acc.path) > 1 else acc.bonus] += 1
+            in_tree += len(acc.path) > 1
+    assert len(sizes) > 1 and min(sizes) < spec.num_draft_tokens, sizes  # the budget shapes the batch's trees
+    assert in_tree > 0.2 * counts.sum(), "the trees must hold the target's token often enough for this test to bite"
+    assert chi2_p(counts, target) > 1e-3

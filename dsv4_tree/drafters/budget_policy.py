@@ -5,7 +5,7 @@ of LAG rounds before (its confidences then; survival 1 for a request with fewer 
 it), so b never depends on this round's drafts; the shape is the b best of this round's
 survival over the batch. A position's inclusion then depends on the drafts before it only,
 which keeps speculative sampling of a drawn chain lossless; with b from this round's survival
-it would depend on the draft itself (tests/test_verify_budget_drafter.py shows the bias).
+it would depend on the draft itself (tests/test_budget_policy.py shows the bias).
 
 Trees (`tree`): the same pick over tree nodes by value (drafters/node_values.py), budget and
 shape from this round's values: a tree is never drawn (top-K), so its values depend on committed
