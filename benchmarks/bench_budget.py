@@ -15,7 +15,7 @@ The two adaptive DSpark drafters get a cost table measured on their own engine a
 other prompts first (the budgeted trees fit their node values on it). Prompts: held-out stdlib
 files (the corpus the checkpoint was trained on) and this project's own Python sources (outside
 it). Greedy and sampled (temperature 1). Repetitions are interleaved (every case once, then
-again) and each case keeps its fastest; greedy outputs are checked equal to Hugging Face's.
+again, a sampled case with the same seed each time) and each case keeps its fastest; greedy outputs are checked equal to Hugging Face's.
 Human table, a PNG of tokens/s against batch size (matplotlib), and as the last line one JSON
 object with every record and the issue's targets as ratios."""
 from __future__ import annotations
@@ -52,7 +52,7 @@ def cases(gamma: int, tree_nodes: int) -> list:
     """(label, drafter kind, topk, num_steps, num_draft_tokens, draft_depth, forced nodes per request)."""
     return [("dspark chain fixed", "dspark", 1, gamma, gamma + 1, "fixed", None),
             ("dspark chain adaptive", "dspark", 1, gamma, gamma + 1, "adaptive", None),
-            (f"dspark tree budgeted", "dspark", 4, gamma, tree_nodes, "adaptive", None),
+            ("dspark tree budgeted", "dspark", 4, gamma, tree_nodes, "adaptive", None),
             (f"dspark tree {gamma + 1} nodes", "dspark", 4, gamma, tree_nodes, "adaptive", gamma + 1),
             ("mtp chain", "mtp", 1, 3, 4, "fixed", None),
             ("mtp tree", "mtp", 4, 5, 8, "adaptive", None)]
@@ -85,11 +85,15 @@ def summarise(case, corpus, bs, secs, outs) -> dict:
     accept = [a for o in outs for a in o.stats.accept_lengths]
     nodes = [n for o in outs for n in o.stats.round_nodes]
     tokens = sum(len(o.tokens) for o in outs)
+    longest = max(outs, key=lambda o: o.stats.rounds).stats  # live in every batch round
+    draft_ms, verify_ms = (1e3 * sum(x) / max(1, len(x)) for x in (longest.round_draft_seconds,
+                                                                   longest.round_verify_seconds))
     return {"case": case.label, "accept": case.accept, "corpus": corpus, "bs": bs, "seconds": secs,
             "tokens": tokens, "tokens_per_s": tokens / secs, "request_rounds": len(accept),
             "tokens_per_verify": sum(accept) / len(accept), "mean_nodes_per_round": sum(nodes) / len(nodes),
             "round_nodes_histogram": {str(n): nodes.count(n) for n in sorted(set(nodes))},
-            "verifies": max(o.stats.rounds for o in outs)}
+            "verifies": longest.rounds, "draft_ms_per_round": draft_ms, "verify_ms_per_round": verify_ms,
+            "other_ms_per_round": 1e3 * secs / max(1, longest.rounds) - draft_ms - verify_ms}
 
 
 def targets(records, gamma: int) -> list:
@@ -193,7 +197,7 @@ def main(argv=None):
         for corpus in corpora:
             for bs in bss:
                 for case in runs:
-                    secs, outs = case.run(prompts[corpus][:bs], args.new_tokens, seed=rep)
+                    secs, outs = case.run(prompts[corpus][:bs], args.new_tokens, seed=bs)  # same draws each rep
                     if case.accept == "greedy" and [o.tokens for o in outs] != hf[corpus][:bs]:
                         mismatches.append((case.label, corpus, bs, rep))
                     key = (case.label, case.accept, corpus, bs)
@@ -205,10 +209,11 @@ def main(argv=None):
     print(f"machine: {machine}; torch {torch.__version__}; shipped checkpoint, DSpark gamma {gamma}; prompts "
           f"{args.prompt_len} bytes, {args.new_tokens} new tokens each; fastest of {args.reps} interleaved repetitions")
     print(f"{'case':<24} {'accept':<8} {'corpus':<8} {'bs':>3} {'tok/s':>8} {'tok/verify':>10} {'nodes/round':>11} "
-          f"{'verifies':>8}")
+          f"{'verifies':>8} {'draft ms':>8} {'verify ms':>9} {'other ms':>8}")
     for r in records:
         print(f"{r['case']:<24} {r['accept']:<8} {r['corpus']:<8} {r['bs']:>3} {r['tokens_per_s']:>8.1f} "
-              f"{r['tokens_per_verify']:>10.3f} {r['mean_nodes_per_round']:>11.2f} {r['verifies']:>8}")
+              f"{r['tokens_per_verify']:>10.3f} {r['mean_nodes_per_round']:>11.2f} {r['verifies']:>8} "
+              f"{r['draft_ms_per_round']:>8.1f} {r['verify_ms_per_round']:>9.1f} {r['other_ms_per_round']:>8.1f}")
     summary = targets(records, gamma)
     print("targets (ratios; want: equal-nodes tree/chain tokens/verify >= 1 off-corpus, budgeted tree / best chain "
           "tokens/s >= 1.10 at bs 16 and >= 1.0 at bs 1, adaptive / fixed chain tokens/s >= 1 at bs 16 with fewer "

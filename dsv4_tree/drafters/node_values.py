@@ -64,11 +64,13 @@ class ValueModel:
             raise ConfigError(f"ValueModel.weights must be {len(FEATURES)} finite numbers ({', '.join(FEATURES)}), "
                               f"got {self.weights!r}")
 
-    def share(self, probs: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        """[..., K] g of each child of each parent, float64."""
+    def share(self, probs: torch.Tensor, conf: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., K] g of each child of each parent, float64 (feats: `features(probs, conf)` when
+        the caller has them already)."""
         if self.weights is None:
             return prior_share(probs.to(torch.float64), conf.to(torch.float64))
-        g = torch.sigmoid(features(probs, conf) @ torch.tensor(self.weights, dtype=torch.float64))
+        f = features(probs, conf) if feats is None else feats
+        g = torch.sigmoid(f @ torch.tensor(self.weights, dtype=torch.float64))
         return g / g.sum(-1, keepdim=True).clamp(min=1.0)
 
     def to_json(self) -> str:
@@ -119,7 +121,8 @@ def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
     confs = [x.detach().cpu().to(torch.float64).reshape(b, -1) for x in exp.confidence_list]  # [B, F_d]
     vals, depths, parents, feats = [], [], [], []
     for d, (p, c) in enumerate(zip(probs, confs)):
-        share = model.share(p, c)  # [B, F_d, K]
+        f = features(p, c)  # [B, F_d, K, F]: the fitted g's inputs and the accept events'
+        share = model.share(p, c, f)  # [B, F_d, K]
         if d == 0:
             par = torch.full((b, topk), -1, dtype=torch.int64)
             v = share.reshape(b, topk)
@@ -131,5 +134,5 @@ def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
         vals.append(v)
         parents.append(par)
         depths.append(torch.full((v.shape[1],), d + 1, dtype=torch.int64))
-        feats.append(features(p, c).reshape(b, -1, len(FEATURES)))
+        feats.append(f.reshape(b, -1, len(FEATURES)))
     return PoolValues(torch.cat(vals, 1), torch.cat(depths), torch.cat(parents, 1), torch.cat(feats, 1))
