@@ -141,3 +141,27 @@ def test_sampled_first_tokens_on_budgeted_trees_with_fitted_values_follow_the_ta
     assert sizes[0] != sizes[1] and max(min(s) for s in sizes) < spec.num_draft_tokens, sizes  # the budget shapes them
     assert in_tree > 0.2 * counts.sum(), "the trees must hold the target's token often enough for this test to bite"
     assert min(chi2_p(c, t) for c, t in zip(counts, targets)) > 1e-3
+
+
+def test_a_confident_request_gets_a_deep_spine_and_an_unsure_one_siblings():
+    """Two requests, the same draft probabilities (0.6, 0.3 for every parent's two children), one
+    budget of 6 nodes: confidence 0.95 everywhere makes request 0's rank-0 children worth nearly
+    their parents (a spine three deep), confidence 0.3 makes request 1's rank-1 child outvalue
+    its rank-0 sibling (both taken). Values from the prior, picks from verify_budget."""
+    from dsv4_tree.drafters.verify_budget import eligible, pick_nodes
+
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    probs = [f([[[0.6, 0.3]]] * 2), f([[[0.6, 0.3], [0.6, 0.3]]] * 2), f([[[0.6, 0.3], [0.6, 0.3]]] * 2)]
+    conf = [f([0.95, 0.3]), f([[0.95, 0.95], [0.3, 0.3]]), f([[0.95, 0.95], [0.3, 0.3]])]
+    exp = MarkovExpansion(score_list=[], token_list=[torch.zeros(2, 2), torch.zeros(2, 4), torch.zeros(2, 4)],
+                          parents_list=[torch.tensor([[-1, 0, 1]] * 2), torch.tensor([[2, 4], [4, 2]])],
+                          prob_list=probs, confidence_list=conf)
+    pool = pool_values(exp, ValueModel(), 2)
+    chosen = pick_nodes(eligible(pool.values, pool.depths, 7), tuple(pool.values.shape), 6)
+    ids = [chosen[r].nonzero().flatten().tolist() for r in range(2)]
+    assert ids[0] == [0, 2, 6], (ids, pool.values)  # depth 1, 2, 3: each the rank-0 child of the one before
+    assert ids[1][:2] == [0, 1] and len(ids[1]) == 3, (ids, pool.values)  # both of the root's children
+    flipped = MarkovExpansion([], exp.token_list, exp.parents_list, probs, [1 - c for c in conf])
+    pool = pool_values(flipped, ValueModel(), 2)
+    chosen = pick_nodes(eligible(pool.values, pool.depths, 7), tuple(pool.values.shape), 6)
+    assert [chosen[r].nonzero().flatten().tolist() for r in range(2)] != ids  # read upside down: other trees
