@@ -85,6 +85,10 @@ def test_adaptive_greedy_equals_hugging_face_for_chains_and_trees(model, module,
         assert all(len(o.stats.round_nodes) == o.stats.rounds for o in outs)
         assert sorted(n for o in outs for n in o.stats.round_nodes) == sorted(verified)
         assert 1 < sum(verified) / len(verified) < shape.num_draft_tokens, verified
+        state = outs[0].stats.depth  # what the CLI's "rounds:" line shows
+        kind = "chain" if shape is CHAIN else "tree"
+        assert state.kind == kind and state.describe().startswith(f"{kind} budget ")
+        assert ("node values" in state.describe()) == (kind == "tree")
 
 
 def _sizes(model, module, shape, clock, per_node, monkeypatch, prompt, n_new=30):

@@ -42,10 +42,12 @@ class BudgetState:
     table: object  # the cost table given, or None
     value_weights: tuple | None  # the fitted node-value model (trees), None: the prior
     rounds_observed: int
+    kind: str | None = None  # "chain" or "tree": what the last budget was for
 
     def describe(self) -> str:
-        fit = "prior" if self.value_weights is None else "fitted"
-        return f"last budget {self.last_budget}; node values {fit}; {self.rounds_observed} rounds observed"
+        fit = "" if self.kind != "tree" else f"; node values {'prior' if self.value_weights is None else 'fitted'}"
+        return f"{self.kind or 'no'} budget {self.last_budget} extra nodes last round{fit}; " \
+               f"{self.rounds_observed} rounds observed"
 
 
 @dataclass
@@ -60,6 +62,7 @@ class BudgetPolicy:
     last_budget: int | None = None
     last_choice: BudgetChoice | None = None
     rounds_observed: int = 0
+    kind: str | None = None  # "chain" or "tree", set by the last decision
     _history: dict = field(default_factory=dict)  # request id -> deque of its last `lag` confidence rows
     _pending: tuple | None = None  # (start, request ids, seq lens, total nodes)
     _start: float = 0.0
@@ -113,14 +116,14 @@ class BudgetPolicy:
         budget = self._budget(model, values, len(request_ids))
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
-        self.last_budget = budget
+        self.last_budget, self.kind = budget, "chain"
         return verify_lens(conf, budget)
 
     def tree(self, model, values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool."""
         pick = eligible(values, depths, self.cap)
         budget = self._budget(model, pick.values, values.shape[0])
-        self.last_budget = budget
+        self.last_budget, self.kind = budget, "tree"
         return pick_nodes(pick, tuple(values.shape), budget)
 
     # ------------------------------------------------------------------ measurements
@@ -143,4 +146,4 @@ class BudgetPolicy:
 
     def state(self) -> BudgetState:
         return BudgetState(self.last_budget, self.last_choice, self.costs.state(), self.table, self.value_weights,
-                           self.rounds_observed)
+                           self.rounds_observed, self.kind)
