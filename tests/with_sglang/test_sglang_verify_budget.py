@@ -1,7 +1,8 @@
-"""Our confidence-scheduled DSpark verify (drafters/verify_budget.py, budget_policy.py) against
+"""Our confidence-scheduled DSpark verify (drafters/verify_budget.py, budget_policy.py, cost_table.py) against
 SGLang 0.5.23's own scheduler on the same confidences and cost tables: `schedule_verify_lens_topk`
 (torch path), `compute_verify_token_budget` (both table kinds) and the host planner's two-step
-lag (`HostConfidenceBudgetPlanner.compute_budget`, overlap off), step by step."""
+lag (`HostConfidenceBudgetPlanner.compute_budget`, overlap off), step by step; and the table files
+SGLang's profiler writes, loaded by `load_cost_table`."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -98,3 +99,14 @@ def test_the_lagged_budget_follows_sglangs_host_planner_step_by_step(monkeypatch
         assert lens.tolist() == verify_lens(conf, want).tolist()
         budgets.append(want)
     assert len(set(budgets)) > 2, budgets  # the inputs move the budget: the comparison bites
+
+
+def test_sglangs_own_table_files_load_as_our_tables(tmp_path):
+    """What SGLang's profiler writes (its tables' to_json) loads as the same price list here."""
+    from dsv4_tree.drafters.cost_table import load_cost_table
+
+    g = torch.Generator().manual_seed(3)
+    for i, (sg_table, table) in enumerate(_tables(g, 4)):
+        path = tmp_path / f"table{i}.json"
+        path.write_text(sg_table.to_json())
+        assert load_cost_table(path) == table
