@@ -15,7 +15,8 @@ The two adaptive DSpark drafters get a cost table measured on their own engine a
 other prompts first (the budgeted trees fit their node values on it). Prompts: held-out stdlib
 files (the corpus the checkpoint was trained on) and this project's own Python sources (outside
 it). Greedy and sampled (temperature 1). Repetitions are interleaved (every case once, then
-again, a sampled case with the same seed each time) and each case keeps its fastest; greedy outputs are checked equal to Hugging Face's.
+again, a sampled case with the same seed each time) and each case keeps its fastest; greedy
+outputs are checked equal to Hugging Face's.
 Human table, a PNG of tokens/s against batch size (matplotlib), and as the last line one JSON
 object with every record and the issue's targets as ratios."""
 from __future__ import annotations
@@ -104,7 +105,8 @@ def targets(records, gamma: int) -> list:
         for accept in ("greedy", "sampling"):
             for bs in sorted({r["bs"] for r in records}):
                 get = lambda label: at.get((label, accept, corpus, bs))  # noqa: E731
-                fixed, adaptive, tree = get("dspark chain fixed"), get("dspark chain adaptive"), get("dspark tree budgeted")
+                fixed, adaptive = get("dspark chain fixed"), get("dspark chain adaptive")
+                tree = get("dspark tree budgeted")
                 equal = get(f"dspark tree {gamma + 1} nodes")
                 if not (fixed and adaptive and tree and equal):
                     continue
@@ -118,7 +120,8 @@ def targets(records, gamma: int) -> list:
                             "adaptive_over_fixed_chain_tokens_per_s": adaptive["tokens_per_s"] / fixed["tokens_per_s"],
                             "adaptive_chain_nodes": adaptive["mean_nodes_per_round"], "gamma_plus_1": gamma + 1,
                             "tree_budgeted_nodes": tree["mean_nodes_per_round"],
-                            "tree_over_chain_tokens_per_verify": tree["tokens_per_verify"] / fixed["tokens_per_verify"]})
+                            "tree_over_chain_tokens_per_verify":
+                                tree["tokens_per_verify"] / fixed["tokens_per_verify"]})
     return out
 
 
@@ -228,7 +231,8 @@ def main(argv=None):
     print(plot(records, args.plot) if args.plot else "plot: skipped (--plot '')")
     print(json.dumps({"machine": machine, "torch": torch.__version__, "gamma": gamma, "new_tokens": args.new_tokens,
                       "prompt_len": args.prompt_len, "reps": args.reps, "greedy_equal_hf": not mismatches,
-                      "mismatches": mismatches, "cost_tables": {str(k): json.loads(t.to_json()) for k, t in tables.items()},
+                      "mismatches": mismatches,
+                      "cost_tables": {str(k): json.loads(t.to_json()) for k, t in tables.items()},
                       "targets": summary, "records": records}))
     return 0 if not mismatches else 1
 

@@ -120,8 +120,8 @@ def test_sampled_first_tokens_on_budgeted_trees_with_fitted_values_follow_the_ta
     trained = dt.load_model(dt.trained_checkpoint())
     spec = dt.SpecConfig(eagle_topk=4, num_steps=3, num_draft_tokens=8, max_requests=64, accept="sampling")
     eng = dt.Engine(trained, spec)
-    drafter = DSparkDrafter(trained, TreeShape.from_spec(spec), size="adaptive", values=ValueModel((0.2, 0.8, 0.3, 0.2, 0.5)),
-                            cost_table=LineTable((1, 64), (1.0, 1.0), (0.004, 0.004)))
+    drafter = DSparkDrafter(trained, TreeShape.from_spec(spec), size="adaptive",
+                            values=ValueModel((0.2, 0.8, 0.3, 0.2, 0.5)), cost_table=LineTable((1, 64), (1.0, 1.0), (0.004, 0.004)))
     eng.register_drafter(drafter)
     g = torch.Generator().manual_seed(0)
     drafter.set_sampling(1.0, 1.0, g)
