@@ -165,3 +165,18 @@ def test_a_confident_request_gets_a_deep_spine_and_an_unsure_one_siblings():
     pool = pool_values(flipped, ValueModel(), 2)
     chosen = pick_nodes(eligible(pool.values, pool.depths, 7), tuple(pool.values.shape), 6)
     assert [chosen[r].nonzero().flatten().tolist() for r in range(2)] != ids  # read upside down: other trees
+
+
+def test_batch_events_are_each_requests_events_in_order():
+    from dsv4_tree.drafters.value_events import batch_events
+
+    rng = np.random.default_rng(1)
+    depths = np.array([1, 1, 2, 2, 2, 2, 3, 3])
+    parents = np.array([[-1, -1, 0, 0, 1, 1, 2, 3], [-1, -1, 1, 1, 0, 0, 4, 5], [-1, -1, 0, 1, 0, 1, 3, 2]])
+    tokens = rng.integers(0, 3, size=(3, 8))
+    feats = rng.normal(size=(3, 8, 2))
+    emitted = [[int(tokens[0, 0]), int(tokens[0, 2]), 1, 2], [int(tokens[1, 1])], [2, 0]]
+    x, y = batch_events(tokens, parents, depths, feats, emitted)
+    want = [events(tokens[i], parents[i], depths, feats[i], emitted[i]) for i in range(3)]
+    assert np.array_equal(x, np.concatenate([w[0] for w in want])) and np.array_equal(y, np.concatenate([w[1] for w in want]))
+    assert 0 < y.sum() < len(y)

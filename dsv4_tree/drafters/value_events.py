@@ -60,18 +60,16 @@ class ValueLearner:
         if pend is None:
             return
         where = {rid: i for i, rid in enumerate(pend.request_ids)}
-        xs, ys = [], []
+        rows, emitted = [], []
         for req in requests:
             i = where.get(req.request_id)
             if i is None or req.seq_len <= pend.seq_lens[i]:
                 continue
             p0 = pend.seq_lens[i]
-            emitted = req.tokens[p0 + 1 : req.seq_len].tolist() + [req.root_token]  # tokens at depths 1 .. m
-            x, y = events(pend.tokens[i], pend.parents[i], pend.depths, pend.features[i], emitted)
-            xs.append(x)
-            ys.append(y)
-        if xs:
-            self._add(np.concatenate(xs), np.concatenate(ys))
+            rows.append(i)
+            emitted.append(req.tokens[p0 + 1 : req.seq_len].tolist() + [req.root_token])  # depths 1 .. m
+        if rows:
+            self._add(*batch_events(pend.tokens[rows], pend.parents[rows], pend.depths, pend.features[rows], emitted))
         self.rounds += 1
         self._maybe_fit()
 
@@ -96,15 +94,27 @@ def events(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, feats: n
     """One request's pool (tokens [P], parent pool ids [P] (-1: the root), depths [P] 1-based,
     features [P, F]) and the tokens emitted after its root (depths 1 .. m) -> (x [n, F], y [n]) of
     every candidate whose parent was reached, at a depth whose emitted token is known."""
-    m = len(emitted)
-    want = np.full(int(depths.max()) + 1, -1, dtype=np.int64)
-    want[1 : min(m, len(want) - 1) + 1] = emitted[: len(want) - 1]
-    accepted = np.zeros(len(tokens), dtype=bool)
-    reached = np.zeros(len(tokens), dtype=bool)
-    for d in range(1, len(want)):  # parents come at lower depths: fill depth by depth
-        at = depths == d
-        par = parents[at]
-        reach = np.ones(len(par), dtype=bool) if d == 1 else accepted[np.maximum(par, 0)] & (par >= 0)
-        reached[at] = reach & (d <= m)
-        accepted[at] = reached[at] & (tokens[at] == want[d])
+    return batch_events(tokens[None], parents[None], depths, feats[None], [emitted])
+
+
+def batch_events(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, feats: np.ndarray, emitted: list):
+    """`events` for B requests at once (tokens, parents [B, P], feats [B, P, F], emitted: B lists),
+    the events in request order, then pool order."""
+    b, p = tokens.shape
+    top = int(depths.max())
+    m = np.array([len(e) for e in emitted])
+    want = np.full((b, top + 1), -1, dtype=np.int64)
+    for i, e in enumerate(emitted):
+        k = min(len(e), top)
+        want[i, 1 : k + 1] = e[:k]
+    accepted = np.zeros((b, p), dtype=bool)
+    reached = np.zeros((b, p), dtype=bool)
+    rows = np.arange(b)[:, None]
+    for d in range(1, top + 1):  # parents come at lower depths: fill depth by depth
+        at = np.nonzero(depths == d)[0]
+        par = parents[:, at]
+        reach = np.ones(par.shape, dtype=bool) if d == 1 else accepted[rows, np.maximum(par, 0)] & (par >= 0)
+        reach &= (d <= m)[:, None]
+        reached[:, at] = reach
+        accepted[:, at] = reach & (tokens[:, at] == want[:, d : d + 1])
     return feats[reached], accepted[reached].astype(np.float64)
