@@ -160,7 +160,7 @@ def main(argv=None):
     ap.add_argument("--tree-nodes", type=int, default=16, help="the budgeted tree's most nodes per request")
     ap.add_argument("--accept", default="greedy,sampling", help="comma list of: greedy, sampling")
     ap.add_argument("--corpora", default="stdlib,project", help="comma list of: stdlib, project")
-    ap.add_argument("--profile-rounds", type=int, default=3, help="profile_costs rounds per node count and bs")
+    ap.add_argument("--profile-rounds", type=int, default=5, help="profile_costs rounds per node count and bs")
     ap.add_argument("--plot", default="bench_out/bench_budget.png", help="PNG path ('' to skip)")
     args = ap.parse_args(argv)
     bss = [int(x) for x in args.bs.split(",")]
