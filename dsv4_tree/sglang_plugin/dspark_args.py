@@ -16,36 +16,12 @@ import dataclasses
 import logging
 
 from .validate import DSV4_ARCHS, validate_tree_settings
-from .validate_dspark import UNSUPPORTED_OPTIONS
+from .server_settings import settings_from_server_args
 
 logger = logging.getLogger(__name__)
 
 SOURCE = "dsv4_tree._handle_dspark"
 V41_MODEL_TYPE = "deepseek_v41"
-
-
-def _env_value(name: str):
-    from sglang.srt.environ import envs
-
-    return getattr(envs, name).get()
-
-
-def unsupported_options(cfg) -> tuple:
-    """Names (with the value each must have) of the DSpark options set that the tree step does not
-    run (validate_dspark.UNSUPPORTED_OPTIONS); cfg: SGLang's resolving view."""
-    flags = {"--speculative-use-rejection-sampling": bool(cfg.speculative_use_rejection_sampling),
-             "--speculative-use-block-verification": bool(cfg.speculative_use_block_verification)}
-    out = []
-    for name, want, why in UNSUPPORTED_OPTIONS:
-        if name.startswith("--"):
-            bad = flags[name]
-        elif name == "SGLANG_SIMULATE_ACC_LEN":
-            bad = float(_env_value(name)) > 0
-        else:
-            bad = bool(_env_value(name))
-        if bad:
-            out.append(f"{name} (must be {want}: {why})")
-    return tuple(out)
 
 
 def dspark_tree_requested(server_args) -> bool:
@@ -64,8 +40,6 @@ def around_handle_dspark(original, server_args):
     if not dspark_tree_requested(server_args):
         return original(server_args)
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
-
-    from .hooks import settings_from_server_args
 
     cfg = resolving_view(server_args)
     topk, requested = int(cfg.speculative_eagle_topk), cfg.speculative_num_draft_tokens

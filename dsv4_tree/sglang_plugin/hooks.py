@@ -25,44 +25,14 @@ from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name,
 from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
                              around_resolve_runtime_config)
 from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
-from .ring import around_resolve_compress_state_ring_size, tree_draft_token_capacity  # noqa: F401
-from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
+from .ring import around_resolve_compress_state_ring_size  # noqa: F401 (registered by name, __init__.HOOKS)
+from .server_settings import settings_from_server_args  # noqa: F401 (tests read it here)
+from .validate import DSV4_ARCHS, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
 
 DSV4_TOPK_REFUSAL = "topk == 1 is supported for"  # apply_deepseek_v4_defaults' assertion
 PAGE_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1"  # _handle_eagle_family's ValueError
-
-
-def settings_from_server_args(server_args) -> TreeServeSettings:
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-    from sglang.srt.environ import envs
-    from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
-
-    from .dspark_args import unsupported_options
-
-    cfg = resolving_view(server_args)
-    hf_config = model_config_of(server_args).hf_config
-    archs = getattr(hf_config, "architectures", None) or [""]
-    n = int(cfg.speculative_num_draft_tokens or 0)
-    return TreeServeSettings(
-        model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
-        topk=int(cfg.speculative_eagle_topk or 0), num_steps=int(cfg.speculative_num_steps or 0), num_draft_tokens=n,
-        dsv4_attn_backend=str(cfg.dsv4_attn_backend), disable_cuda_graph=bool(cfg.disable_cuda_graph),
-        attn_cp_size=int(cfg.attn_cp_size or 1), dcp_size=int(cfg.dcp_size or 1),
-        enable_prefill_cp=bool(cfg.enable_prefill_cp),
-        encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
-        unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
-        ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=tree_draft_token_capacity(),
-        pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
-        hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
-        disaggregation_mode=str(cfg.disaggregation_mode or "null"),
-        debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
-        metadata_glue=bool(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()),
-        model_type=str(getattr(hf_config, "model_type", "")), gamma=int(cfg.speculative_dspark_block_size or 0),
-        attn_dp_size=int(cfg.attn_dp_size or 1), grammar_backend=cfg.grammar_backend,
-        unsupported=unsupported_options(cfg) if cfg.speculative_algorithm == "DSPARK" else (),
-    )
 
 
 def around_apply_deepseek_v4_defaults(original, server_args, model_arch):
