@@ -81,16 +81,17 @@ def test_block_rows_see_the_whole_block_and_only_the_window():
     assert (other[1:] - base[1:]).abs().amax(-1).min() > 1e-3, "later block rows must see the anchor row"
 
 
-def test_features_of_layer_0_are_the_embeddings():
-    """Layer 0's input is the embedding repeated in every stream, so its mean is the embedding;
-    the features of each layer sit in `layer_ids` order. (tests/test_dspark_drafter.py checks
-    the engine's captured features against these.)"""
+def test_features_are_the_outputs_of_the_target_layers():
+    """A target layer's feature is the mean over hc of the streams it outputs: transformers'
+    hidden_states[i + 1] (SGLang's DeepSeek-V4 loop and DeepSpec read the same), concatenated in
+    ascending layer order; not its input (hidden_states[i]: for layer 0 the embedding). (tests/
+    test_dspark_drafter.py checks the engine's captured features against transformers too.)"""
     model = _model(8)
     x = torch.arange(2, 14)
     d = model.config.hidden_size
-    got = ref_target_features(model, x, (2, 0))
+    got = ref_target_features(model, x, (0, 2))
     with torch.no_grad():
-        emb = model.hf.model.embed_tokens(x)
+        states = model.hf(input_ids=x.unsqueeze(0), use_cache=False, output_hidden_states=True).hidden_states
     assert got.shape == (12, 2 * d)
-    assert torch.allclose(got[:, d:], emb, atol=1e-6)
-    assert (got[:, :d] - emb).abs().max() > 1e-2
+    torch.testing.assert_close(got, torch.cat([states[1][0].mean(1), states[3][0].mean(1)], -1), rtol=0, atol=1e-6)
+    assert (got[:, :d] - states[0][0].mean(1)).abs().max() > 1e-2  # layer 0's input: the embedding

@@ -15,7 +15,9 @@ policy (size="adaptive", or size=None under SpecConfig.draft_depth "adaptive", t
 trees), the count the policy chooses from values and measured round costs
 (drafters/size_policy.py), best by value. Tree drafts are deterministic (top-K, no draws),
 greedy or sampled: verify's tree rejection sampling is exact for any tree fixed before its draws.
-Per-request state (`contexts`) lives until `release(req)`."""
+Per-request state (`contexts`) lives until `release(req)`. A request with nothing committed
+(seq_len 0) gets its root alone, as SGLang drafts only after a prefill has run the target once.
+`confidence_sts` applies SGLang's per-position STS temperatures to the confidence head."""
 from __future__ import annotations
 
 import time
@@ -26,6 +28,7 @@ import torch
 
 from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
+from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
 from ..ranks import agree_choice
@@ -111,10 +114,12 @@ class DSparkDrafter:
     """drafter="dspark": the checkpoint's DSpark module (module= to pass one built by hand)."""
 
     def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False,
-                 size: str | None = None, branching: str = "markov", clock=time.perf_counter):
+                 size: str | None = None, branching: str = "markov", clock=time.perf_counter, confidence_sts=None):
         """size (trees): None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees
         by default) | "fixed" (num_draft_tokens nodes) | "adaptive" (the size policy); branching:
-        "markov" | "base" (the DDTree-style baseline, for measurements); clock: the policy's timer."""
+        "markov" | "base" (the DDTree-style baseline, for measurements); clock: the policy's timer;
+        confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
+        or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
         check_module(model, self.module)
@@ -138,10 +143,13 @@ class DSparkDrafter:
         self.contexts: dict = {}  # request_id -> DSparkContext
         self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)
         self.sampling = None  # (temperature, top_p, generator) for sampling runs; None = greedy
+        # per-depth STS temperatures of the confidence head [gamma] (None: 1)
+        self.temperatures = (None if confidence_sts is None else
+                             torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
 
     @property
     def feature_layers(self) -> tuple:
-        """Target layers whose input streams the engine must keep for committed rows."""
+        """Target layers (ascending) whose output streams the engine must keep for committed rows."""
         return self.module.settings.target_layer_ids
 
     def set_sampling(self, temperature: float | None, top_p: float = 1.0, generator=None) -> None:
@@ -185,6 +193,8 @@ class DSparkDrafter:
                               f"{TreeShape.from_spec(engine.spec)} (build the drafter for the engine's spec)")
         if not isinstance(requests, (list, tuple)) or not requests:
             raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
+        if any(r.seq_len == 0 for r in requests):  # no target run yet: no context to draft from
+            return self._without_fresh(engine, requests)
         size = depth_for(self.size, engine.spec, "DSparkDrafter(size") if self.shape.topk > 1 else None
         if size == "adaptive":  # the policy times whole rounds: from here to end_round
             if self.policy is None:
@@ -199,7 +209,7 @@ class DSparkDrafter:
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
-                         block_index(lengths, module.block_size).to(dev))
+                         block_index(lengths, module.settings.block_rows).to(dev))
         if size is not None:
             trees = self._tree(requests, blk, anchors, size)
             self._keep(requests, staged)
@@ -207,7 +217,7 @@ class DSparkDrafter:
         tokens, logits, probs = self._walk(blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
-        conf = confidences(module, blk.hidden, tokens[:, :-1]) if self.record else None
+        conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record else None
         with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
             host = tokens.cpu()
             q = None if probs is None else probs.cpu()
@@ -219,6 +229,16 @@ class DSparkDrafter:
                     self.records[req.request_id] = DSparkRecord(blk.base[b].clone(), blk.hidden[b].clone(),
                                                                 logits[b].clone(), conf[b].clone(), host[b].clone())
         return trees
+
+    def _without_fresh(self, engine, requests) -> list:
+        """Requests at seq_len 0 get their root alone (SGLang's first draft follows the prefill's
+        target pass); the others are drafted together."""
+        rest = [r for r in requests if r.seq_len > 0]
+        drafted = iter(self.draft(engine, rest) if rest else ())
+        if not rest:
+            self._measuring = False
+        with torch.inference_mode(False):
+            return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
     def _walk(self, blk, anchors: torch.Tensor):
         """The Markov head left to right. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32,
@@ -242,7 +262,8 @@ class DSparkDrafter:
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         policy = self.policy
         self._measuring = size == "adaptive"
-        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record)
+        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
+                            temperatures=self.temperatures)
         cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
         scores, tokens, parents, values = (cpu(x) for x in (exp.score_list, exp.token_list, exp.parents_list,
                                                           exp.value_list))
