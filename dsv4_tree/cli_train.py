@@ -93,11 +93,11 @@ def cmd_train_mtp(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                      eval_every=args.eval_every, max_files=args.max_files)
+                      warmup=args.warmup, eval_every=args.eval_every, max_files=args.max_files)
     check_windows(cfg.max_files, cfg.seq_len)  # before the target is loaded
     model = load_model(args.checkpoint or trained_checkpoint())
     command = "dsv4-tree " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["train-mtp"] else None
-    hist = train_mtp(model, cfg, Path(args.out), log=lambda m: print(m, flush=True), command=command)
+    hist = train_mtp(model, cfg, Path(args.out), log=lambda m: print(m, flush=True), command=command, init=args.init)
     print(json.dumps({"out": args.out, "final_val_mtp_bpb": hist["val_mtp_bpb"][-1]}))
     return 0
 
@@ -114,6 +114,9 @@ def add_train_mtp(sub) -> None:
     t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
                    help="peak learning rate (warmup, cosine decay); finite, > 0")
     t.add_argument("--seed", type=seed_value, default=0, help="seed for the block's weights and the batches")
+    t.add_argument("--warmup", type=int_at_least(1), default=100, help="learning-rate warmup steps")
+    t.add_argument("--init", choices=("random", "checkpoint"), default="random",
+                   help="start from a fresh block (train-tiny's initialisation) or from the checkpoint's own block")
     t.add_argument("--eval-every", type=int_at_least(1), default=250, help="validation interval (steps)")
     t.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
     t.add_argument("--max-files", type=int_at_least(1), default=None, help="use only the first N stdlib files")

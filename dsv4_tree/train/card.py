@@ -52,7 +52,8 @@ def write_model_card(out_dir) -> Path:
         lines += [
             "## MTP block (retrained)",
             "",
-            f"- the shipped `mtp.0.*` block was retrained against this frozen target by `{retrain['command']}`:",
+            f"- the shipped `mtp.0.*` block was retrained against this frozen target by `{retrain['command']}`,",
+            "  starting from " + ("the joint run's block" if retrain.get("init") == "checkpoint" else "a fresh block") + ":",
             f"  {rc['steps']} steps of batch {rc['batch']} x {rc['seq_len']} bytes, the recipe above (peak lr {rc['lr']},",
             f"  {rc['warmup']} warmup steps, cosine, loss weight {rc['mtp_weight']}, seed {rc['seed']}), target frozen,",
             f"  {retrain['seconds'] / 60:.1f} min wall ({retrain['cpu_seconds'] / 60:.1f} min CPU, "

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint.mtp import MTP_PREFIX, to_checkpoint_names
+from ..checkpoint.mtp import MTP_PREFIX, load_mtp, to_checkpoint_names
+from ..errors import ConfigError
 from ..checkpoint.tiny import random_mtp
 from .corpus import batches, check_windows, load_corpus
 from .trainer import StreamCapture, TrainConfig, _check_finite, mtp_rows
@@ -42,9 +43,16 @@ def mtp_loss(hf, mtp, capture, seq: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
 
 
-def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None = None) -> dict:
-    """Train a fresh MTP block against `model` (a loaded checkpoint, frozen) and write it into
-    `out_dir`. ConfigError, and nothing written, when a loss is not finite."""
+INITS = ("random", "checkpoint")
+
+
+def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None = None, init: str = "random") -> dict:
+    """Train an MTP block against `model` (a loaded checkpoint, frozen) and write it into
+    `out_dir`. init: "random" (a fresh block, as train-tiny initialises it) or "checkpoint" (the
+    checkpoint's own block, trained on: a fine-tune). ConfigError, and nothing written, when a
+    loss is not finite or init is neither."""
+    if init not in INITS:
+        raise ConfigError(f"train_mtp init must be one of {INITS}, got {init!r}")
     check_windows(cfg.max_files, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.max_files)
@@ -52,14 +60,17 @@ def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None =
     grads = [(p, p.requires_grad) for p in hf.parameters()]
     for p, _ in grads:
         p.requires_grad_(False)
-    mtp = random_mtp(hf.config, seed=cfg.seed).to(dtype=model.dtype).train()
+    mtp = random_mtp(hf.config, seed=cfg.seed).to(dtype=model.dtype)
+    if init == "checkpoint":  # the same module, the checkpoint's values (trainable as a fresh one)
+        mtp.load_state_dict(load_mtp(model).state_dict())
+    mtp.train()
     capture = StreamCapture(hf.model.layers[-1])
     params = [p for p in mtp.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     g, gv = torch.Generator().manual_seed(cfg.seed), torch.Generator().manual_seed(cfg.seed + 1)
     val_set = [batches(corpus.val, cfg.batch, cfg.seq_len, gv) for _ in range(cfg.eval_batches)]
     hist = {"step": [], "train_mtp_bpb": [], "val_step": [], "val_mtp_bpb": []}
-    log(f"[train-mtp] {sum(p.numel() for p in params) / 1e6:.2f}M MTP params against the frozen target "
+    log(f"[train-mtp] {sum(p.numel() for p in params) / 1e6:.2f}M MTP params ({init} init) against the frozen target "
         f"{model.source}; {corpus.train.numel()} train bytes")
     t0, c0 = time.time(), time.process_time()
     try:
@@ -89,7 +100,7 @@ def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None =
         capture.handle.remove()
         for p, flag in grads:  # the caller's model as it was
             p.requires_grad_(flag)
-    record = {"train_config": asdict(cfg), "command": command, "python_version": corpus.python_version,
+    record = {"train_config": asdict(cfg), "init": init, "command": command, "python_version": corpus.python_version,
               "file_list_sha256": corpus.list_sha256, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(time.process_time() - c0, 1), "torch_threads": torch.get_num_threads(),
               "rows": "SGLang's draft-extend rows: row p >= 1 pairs x_p with the target's streams at p - 1",
