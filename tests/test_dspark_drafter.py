@@ -8,6 +8,8 @@ reference at absolute 1e-5 (committed state vs Hugging Face's, tolerances.md).""
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
+
 import torch
 
 import dsv4_tree as dt
@@ -225,6 +227,15 @@ def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
     tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
                        dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2, dsv4_num_draft_tokens=8)
     assert torch.equal(tree, want)
+    # a tree shape with DSpark drafts its Markov tree (docs/custom-generate.md says so)
+    dspark_tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
+                              dsv4_eagle_topk=4)
+    assert torch.equal(dspark_tree, want)
+    engines = hf.__dict__["_dsv4_tree_engines"]
+    trees = [e for k, e in engines.items() if (k[0].eagle_topk, k[0].num_steps) == (4, 5)]
+    assert len(trees) == 1 and type(trees[0].named_drafters["dspark"]).__name__ == "DSparkDrafter"
+    doc = (Path(__file__).parents[1] / "docs" / "custom-generate.md").read_text()
+    assert "a tree shape with it is refused" not in doc and "Markov tree" in doc
 
 
 def test_sampled_drafts_carry_the_reference_distributions_along_their_tokens(model):
