@@ -80,6 +80,44 @@ def test_engine_keeps_the_target_features_of_committed_rows(model):
     torch.testing.assert_close(req.new_features, want[-model.window:], rtol=0, atol=1e-5)
 
 
+def _hf_streams(model, tokens):
+    """transformers' output_hidden_states over the committed tokens: [layers + 1] of [P, hc, d];
+    entry i + 1 is layer i's output, entry i its input."""
+    ids = torch.as_tensor(tokens, dtype=torch.int64).unsqueeze(0)
+    with torch.no_grad():
+        states = model.hf(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+    return [s[0] for s in states]
+
+
+def test_features_and_drafts_read_the_outputs_of_layers_0_and_2_as_transformers_gives_them(model):
+    """Target layers (0, 2) of 4: not contiguous, not the last. The engine's captured features are
+    transformers' hidden_states[1] and [3] (the two layers' outputs, mean over hc), and the drafts,
+    over two rounds, equal the reference block built from exactly those; the inputs
+    (hidden_states[0] and [2]) give other drafts, so this fails on either choice."""
+    module = _module(model, layers=(0, 2))
+    eng = _engine(model)
+    drafter = _drafter(model, module)
+    eng.register_drafter(drafter)
+    req = eng.prefill(_prompt(21, 7))
+    for rnd in range(2):
+        states = _hf_streams(model, req.tokens)
+        outputs = torch.cat([states[1].mean(1), states[3].mean(1)], -1)
+        inputs = torch.cat([states[0].mean(1), states[2].mean(1)], -1)
+        n = req.new_features.shape[0]
+        torch.testing.assert_close(req.new_features, outputs[-n:], rtol=0, atol=1e-5)
+        tree = drafter.draft(eng, [req])[0]
+        rec = drafter.records[req.request_id]
+        base, hidden = ref_dspark_block(model, module, outputs, req.root_token)
+        logits, conf = ref_dspark_chain(module, base, hidden, rec.tokens[:-1])
+        assert relative_error(rec.base, base) < 1e-4 and relative_error(rec.logits, logits) < 1e-4, rnd
+        assert (rec.confidence - conf).abs().max() < 1e-5, rnd
+        assert torch.equal(tree.tokens[1:], logits.argmax(-1)), rnd
+        other, _ = ref_dspark_block(model, module, inputs, req.root_token)
+        assert relative_error(rec.base, other) > 1e-2, f"{rnd}: the layers' inputs draft the same"
+        out = eng.verify([req], [tree])
+        eng.commit([req], eng.accept_greedy([req], [tree], out), out)
+
+
 @pytest.mark.parametrize("lengths", [[5, 40], [3, 28]])
 def test_drafts_and_contexts_equal_the_reference_across_rounds(model, lengths):
     """Several requests, contexts shorter and longer than the window (32), rounds that commit
