@@ -127,7 +127,9 @@ def write_mtp(source: Path, out_dir: Path, mtp, record: dict) -> None:
     path = out_dir / "model.safetensors"
     tensors = {k: v for k, v in load_file(str(path)).items() if not k.startswith(MTP_PREFIX)}
     tensors.update(to_checkpoint_names(mtp))
+    mode = path.stat().st_mode & 0o777
     save_file(tensors, str(path) + ".tmp", metadata={"format": "pt"})
+    path.with_name(path.name + ".tmp").chmod(mode)  # the file it replaces keeps its permissions
     path.with_name(path.name + ".tmp").replace(path)
     meta_path = out_dir / "training.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
