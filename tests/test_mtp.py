@@ -218,3 +218,25 @@ def test_mtp_naming_round_trip_and_tiny_has_mtp():
         assert torch.equal(own[k], v), k
     tiny = dt.load_model(dt.tiny_checkpoint())
     assert isinstance(load_mtp(tiny), torch.nn.Module)
+
+
+@pytest.mark.parametrize("prompt_len", [9, 40])
+def test_shipped_mtp_drafts_sglangs_rows_below_the_window(prompt_len):
+    """The shipped trained checkpoint (window 64), P < window: the MTP chain's every step equals the
+    Hugging Face layer's run over SGLang's draft-extend rows (relative 1e-4, fp32)."""
+    from dsv4_tree.train.corpus import heldout_prompt
+
+    model = dt.load_model(dt.trained_checkpoint())
+    eng = dt.Engine(model, dt.SpecConfig(num_steps=4))
+    drafter = MtpDrafter(model, TreeShape(1, 4, 5), record=True)
+    req = eng.prefill(torch.tensor(heldout_prompt(prompt_len, 2)), hidden_rows=10**6)
+    assert req.seq_len < model.window
+    tree = drafter.draft(eng, [req])[0]
+    rows = drafter.records[req.request_id].rows
+    toks, hid, pos = sglang_extend_rows(req.tokens, req.root_token, req.new_hidden)
+    for step in range(4):
+        logits, out = mtp_masked_rows(model, drafter.mtp, toks, hid, pos, sliding(len(toks), model.window))
+        err = float((logits[-1] - rows.logits[step]).abs().max() / logits[-1].abs().max())
+        assert err < TOL, f"P={req.seq_len} step {step}: {err:.2e}"
+        toks = torch.cat([toks, tree.tokens[step + 1 : step + 2]])
+        hid, pos = torch.cat([hid, out[-1:]]), torch.cat([pos, pos[-1:] + 1])
