@@ -8,11 +8,10 @@ best nodes by cumulative path probability, each gives its topk children, and the
 from. Frontier nodes of one request and depth that share a token share one bias row, one
 softmax and one top-k (computed once, gathered back).
 
-Besides path probabilities the expansion values every candidate with the confidence head:
-c(k, t) = the chance that depth k's draft survives given its parent (token t) was accepted. A
-parent's rank-0 child gets c, the others share 1 - c in proportion to their probabilities
-among the non-top mass; a candidate's value is its parent's times that, so no child outvalues
-its parent (the size policy's selection stays ancestor-closed, drafters/size_policy.py).
+Alongside path probabilities the expansion keeps what node values are made of
+(drafters/node_values.py): each candidate's probability under its parent's distribution and each
+parent's confidence c(k, t), the chance that depth k's draft survives given its parent (token t)
+was accepted.
 
 branching="base" is the DDTree-style baseline for measurements: nodes off the spine (the
 chain's argmax path) branch from U_k alone, without their own Markov bias."""
@@ -35,19 +34,9 @@ class MarkovExpansion:
     score_list: list  # [B, 1, K] then [B, K, K] per later depth: cumulative path probabilities
     token_list: list  # [B, K] then [B, K*K]
     parents_list: list  # [B, K+1] then [B, K] global candidate ids
-    value_list: list  # as score_list: confidence-based values (ancestor-monotone)
-    logit_list: list = field(default_factory=list)  # [B, V] then [B, K, V] fp32: each depth's parents' child logits (keep_logits)
+    prob_list: list = field(default_factory=list)  # as score_list: each candidate's probability given its parent
     confidence_list: list = field(default_factory=list)  # [B] then [B, K]: c of each parent
-
-
-def _child_values(probs: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-    """probs [..., K] a parent's top-K child probabilities (sorted), conf [...] its confidence ->
-    [..., K] the share of the parent's value each child gets (rank 0: c; rank j: (1 - c) p_j / (1 - p_0))."""
-    rest = 1.0 - probs[..., :1]
-    share = torch.where(rest > 0, probs / rest.clamp_min(torch.finfo(probs.dtype).tiny), torch.zeros_like(probs))
-    c = conf.unsqueeze(-1).to(probs.dtype)
-    out = (1.0 - c) * share.clamp(max=1.0)
-    return torch.cat([c.expand_as(out[..., :1]), out[..., 1:]], -1)
+    logit_list: list = field(default_factory=list)  # [B, V] then [B, K, V] fp32: each depth's parents' child logits (keep_logits)
 
 
 def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased: torch.Tensor,
@@ -86,30 +75,26 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
     root = torch.ones(b, 1, dtype=torch.bool, device=dev)
     pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k, temp(0))
     pc, tc, conf = pc[:, 0], tc[:, 0], conf[:, 0]  # [B, K], [B]
-    val = _child_values(pc, conf)
     out = MarkovExpansion([pc.view(b, 1, k)], [tc], [torch.arange(-1, k, device=dev).expand(b, k + 1)],
-                          [val.view(b, 1, k)])
+                          [pc.view(b, 1, k)], [conf])
     if keep_logits:
         out.logit_list.append(logits[:, 0])
-        out.confidence_list.append(conf)
-    fscore, ftok, fval = pc, tc, val
+    fscore, ftok = pc, tc
     fspine = torch.zeros(b, k, dtype=torch.bool, device=dev)
     fspine[:, 0] = True  # the root's rank-0 child: the chain's first draft
     for s in range(1, num_steps):
         biased = torch.ones_like(fspine) if branching == "markov" else fspine
         pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k, temp(s))
         scores = fscore.unsqueeze(2) * pc  # [B, K, K]
-        values = fval.unsqueeze(2) * _child_values(pc, conf)
         flat = scores.reshape(b, k * k)
         out.score_list.append(scores)
         out.token_list.append(tc.reshape(b, k * k))
-        out.value_list.append(values)
+        out.prob_list.append(pc)
+        out.confidence_list.append(conf)
         if keep_logits:
             out.logit_list.append(logits)
-            out.confidence_list.append(conf)
         chosen = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :k]
         out.parents_list.append(chosen + k * k * (s - 1) + k)
         fspine = fspine.gather(1, chosen // k) & (chosen % k == 0)
         fscore, ftok = flat.gather(1, chosen), tc.reshape(b, k * k).gather(1, chosen)
-        fval = values.reshape(b, k * k).gather(1, chosen)
     return out
