@@ -171,7 +171,7 @@ def test_the_lag_keeps_sampled_adaptive_chains_lossless(monkeypatch):
     assert float(bias[token]) > 0.1, "pick a prompt where the bias is large enough to see"
     real = dspark_mod.confidences
 
-    def designed(module, hidden, prev):
+    def designed(module, hidden, prev, temperature=None):
         c = torch.ones(prev.shape[0], prev.shape[1]) * (prev[:, 1:2] == token).float()
         c[:, 0] = 0.5
         return c.to(real(module, hidden, prev).device)

@@ -104,7 +104,7 @@ def test_budgeted_trees_change_when_the_confidence_is_read_upside_down(monkeypat
     right = trees()
     assert right == trees()
     real = module.confidence_of
-    monkeypatch.setattr(module, "confidence_of", lambda h, prev: 1 - real(h, prev))
+    monkeypatch.setattr(module, "confidence_of", lambda h, prev, temperature=None: 1 - real(h, prev, temperature))
     flipped = trees()
     assert sum(a != b for a, b in zip(right, flipped)) >= 6, (right, flipped)
 

@@ -20,7 +20,9 @@ asked for explicitly on a chain) verifies what one budget for the whole batch bu
 confidence-scheduled length, a tree is the batch's best nodes by value, at most
 num_draft_tokens per request, the budget chosen against a cost table (cost_table=, e.g. from
 profile_costs) or lines learnt from the drafter's own rounds.
-Per-request state (`contexts`) lives until `release(req)`."""
+Per-request state (`contexts`) lives until `release(req)`. A request with nothing committed
+(seq_len 0) gets its root alone, as SGLang drafts only after a prefill has run the target once.
+`confidence_sts` applies SGLang's per-position STS temperatures to the confidence head."""
 from __future__ import annotations
 
 import time
@@ -31,6 +33,7 @@ import torch
 
 from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
+from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
 from ..tree.build import local_parents, organize_draft_results
@@ -119,13 +122,15 @@ class DSparkDrafter:
 
     def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False,
                  size: str | None = None, branching: str = "markov", clock=time.perf_counter,
-                 cost_table=None, values=None):
+                 cost_table=None, values=None, confidence_sts=None):
         """size: None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees by
         default, fixed for chains) | "fixed" (the chain; num_draft_tokens tree nodes) | "adaptive"
         (the batch's verify budget); branching: "markov" | "base" (the DDTree-style baseline, for
         measurements); clock: the budget policy's timer; cost_table: a cost table or its JSON
         path (drafters/cost_table.py; None: learnt online); values: a fitted node-value model
-        (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds)."""
+        (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
+        confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
+        or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
         check_module(model, self.module)
@@ -151,10 +156,13 @@ class DSparkDrafter:
         self.contexts: dict = {}  # request_id -> DSparkContext
         self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)
         self.sampling = None  # (temperature, top_p, generator) for sampling runs; None = greedy
+        # per-depth STS temperatures of the confidence head [gamma] (None: 1)
+        self.temperatures = (None if confidence_sts is None else
+                             torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
 
     @property
     def feature_layers(self) -> tuple:
-        """Target layers whose input streams the engine must keep for committed rows."""
+        """Target layers (ascending) whose output streams the engine must keep for committed rows."""
         return self.module.settings.target_layer_ids
 
     def set_sampling(self, temperature: float | None, top_p: float = 1.0, generator=None) -> None:
@@ -217,6 +225,8 @@ class DSparkDrafter:
                               f"{TreeShape.from_spec(engine.spec)} (build the drafter for the engine's spec)")
         if not isinstance(requests, (list, tuple)) or not requests:
             raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
+        if any(r.seq_len == 0 for r in requests):  # no target run yet: no context to draft from
+            return self._without_fresh(engine, requests)
         size = depth_for(self.size, engine.spec, "DSparkDrafter(size")
         self._measuring = size == "adaptive"
         if self._measuring:  # the policy times whole rounds: from here to end_round
@@ -232,7 +242,7 @@ class DSparkDrafter:
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
-                         block_index(lengths, module.block_size).to(dev))
+                         block_index(lengths, module.settings.block_rows).to(dev))
         if self.shape.topk > 1:
             trees = self._tree(requests, blk, anchors, size)
             self._keep(requests, staged)
@@ -240,7 +250,7 @@ class DSparkDrafter:
         tokens, logits, probs = self._walk(blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
-        conf = confidences(module, blk.hidden, tokens[:, :-1]) if self.record or self._measuring else None
+        conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
         with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
             host = tokens.cpu()
             q = None if probs is None else probs.cpu()
@@ -254,6 +264,16 @@ class DSparkDrafter:
             if self._measuring:  # SGLang's confidence-scheduled lengths (budget_policy.chain)
                 trees = adaptive_chains(self.policy, model, requests, trees, conf.cpu())
         return trees
+
+    def _without_fresh(self, engine, requests) -> list:
+        """Requests at seq_len 0 get their root alone (SGLang's first draft follows the prefill's
+        target pass); the others are drafted together."""
+        rest = [r for r in requests if r.seq_len > 0]
+        drafted = iter(self.draft(engine, rest) if rest else ())
+        if not rest:
+            self._measuring = False
+        with torch.inference_mode(False):
+            return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
     def _walk(self, blk, anchors: torch.Tensor):
         """The Markov head left to right. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32,
@@ -275,7 +295,8 @@ class DSparkDrafter:
     def _tree(self, requests, blk, anchors, size: str) -> list:
         """The Markov tree of every request (module docstring): fixed size, or the batch budget's."""
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
-        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record)
+        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
+                            temperatures=self.temperatures)
         if size == "adaptive":
             trees, chosen = budget_trees(self.policy, self.values, self.model, requests, exp, anchors, k)
         else:

@@ -40,9 +40,10 @@ class MarkovExpansion:
 
 
 def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased: torch.Tensor,
-              topk: int):
+              topk: int, temperature=None):
     """Child distributions of frontier nodes, each distinct (request, token, biased) computed once.
-    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F].
+    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F];
+    temperature: depth k's STS temperature (None: 1).
     -> (top-K probabilities [B, F, K], their tokens [B, F, K], logits [B, F, V] fp32, confidences [B, F])."""
     b, f = tokens.shape
     vocab = base.shape[-1]
@@ -52,7 +53,7 @@ def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Te
     tok, req = uniq % vocab, uniq // vocab // 2
     on = ((uniq // vocab) % 2).bool()
     logits = torch.where(on.unsqueeze(1), markov_logits(module, base[req], tok), base[req].float())
-    conf = confidences(module, hidden[req], tok)
+    conf = confidences(module, hidden[req], tok, temperature)
     ids = logits.topk(topk, dim=-1).indices
     probs = torch.softmax(logits, -1).gather(1, ids)
     return (probs[inv].view(b, f, topk), ids[inv].view(b, f, topk), logits[inv].view(b, f, vocab),
@@ -60,9 +61,11 @@ def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Te
 
 
 def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_steps: int,
-                  branching: str = "markov", keep_logits: bool = False) -> MarkovExpansion:
+                  branching: str = "markov", keep_logits: bool = False, temperatures=None) -> MarkovExpansion:
     """The wave expansion of B blocks (anchors [B] the roots' tokens) to depth num_steps <= gamma,
-    topk children per frontier node and a frontier of topk nodes per depth."""
+    topk children per frontier node and a frontier of topk nodes per depth; temperatures [gamma]:
+    the confidence head's STS temperatures by depth (None: 1)."""
+    temp = (lambda s: None) if temperatures is None else (lambda s: temperatures[s])  # noqa: E731
     gamma = blk.base.shape[1]
     if branching not in BRANCHINGS:
         raise ConfigError(f"branching must be one of {BRANCHINGS}, got {branching!r}")
@@ -70,7 +73,7 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
         raise ConfigError(f"num_steps={num_steps}: a DSpark tree is at most its block size {gamma} deep")
     b, k, dev = anchors.shape[0], topk, anchors.device
     root = torch.ones(b, 1, dtype=torch.bool, device=dev)
-    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k)
+    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k, temp(0))
     pc, tc, conf = pc[:, 0], tc[:, 0], conf[:, 0]  # [B, K], [B]
     out = MarkovExpansion([pc.view(b, 1, k)], [tc], [torch.arange(-1, k, device=dev).expand(b, k + 1)],
                           [pc.view(b, 1, k)], [conf])
@@ -81,7 +84,7 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
     fspine[:, 0] = True  # the root's rank-0 child: the chain's first draft
     for s in range(1, num_steps):
         biased = torch.ones_like(fspine) if branching == "markov" else fspine
-        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k)
+        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k, temp(s))
         scores = fscore.unsqueeze(2) * pc  # [B, K, K]
         flat = scores.reshape(b, k * k)
         out.score_list.append(scores)
