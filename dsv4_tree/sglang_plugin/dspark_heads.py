@@ -6,7 +6,8 @@
   each rank's slice is gathered by the head's own vocab gather, as SGLang's Markov step gathers its
   step logits. Added to the base logits in fp32 by `expand_markov`, as SGLang's step does (V4's step
   dtype is fp32).
-* `confidence_of`: zeros. The SGLang tree is ranked by path probability (the engine's fixed-size
+* `confidence_of`: zeros, whatever the STS temperature (`drafters.dspark_rows.confidences` passes
+  the depth's). The SGLang tree is ranked by path probability (the engine's fixed-size
   rule): under SGLang's static verify the width N is the captured bucket's, so no size is chosen
   per round, and SGLang does not build V4's confidence head in static mode.
 * `full_vocab(base)`: the draft's base logits (`compute_base_logits`, sharded like the Markov
@@ -52,5 +53,5 @@ class SGLangMarkovHeads:
         return self._whole(bias).view(*prev.shape, self.vocab_size)
 
     @staticmethod
-    def confidence_of(hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    def confidence_of(hidden: torch.Tensor, prev: torch.Tensor, temperature=None) -> torch.Tensor:
         return torch.zeros(prev.shape, dtype=torch.float32, device=prev.device)
