@@ -41,7 +41,7 @@ class Engine(EngineChecks):
         check_topk_vocab(self.spec.eagle_topk, self.model.vocab_size)
         self.limits = validate_spec(self.model.config, self.spec)
         self.ops = get_backend(self.spec.attention_backend)
-        self.runtime = ServingRuntime(self.model, self.spec, self.limits)
+        self.runtime = ServingRuntime(self.model, self.spec, self.limits, kernels=self.ops.kernels)
         self._graphs = None  # GraphCache, created on the first bucketed verify on CUDA
         self._verify_ids = itertools.count(1)
         self.engine_id = next(_engine_ids)  # stamped on every Request this engine makes

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_tree.attention.torch_ops import TIE_MARGIN
+from dsv4_tree.numerics.ties import TIE_MARGIN
 from dsv4_tree.errors import InputError
 
 from ._launch import INDEX, check, check_device, check_index_query, pow2

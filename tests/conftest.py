@@ -21,6 +21,11 @@ collect_ignore = [] if importlib.util.find_spec("sglang") is not None else ["wit
 
 
 def pytest_configure(config):
+    # under pytest-xdist (scripts/test runs one worker per core) each worker gets its share of
+    # the cores, so torch's intra-op threads do not oversubscribe them
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (runs with DSV4_TREE_GPU=1)")
     config.addinivalue_line("markers", "on_device: uses the `device` fixture (added at collection; "
                                        "scripts/gpu_check runs `-m 'gpu or on_device'`)")

@@ -5,6 +5,7 @@ import torch
 
 import dsv4_tree as dt
 from cases import engine_for, random_tree, small_model
+from dsv4_tree import kernels
 from dsv4_tree.diagnostics import LaunchCounter
 from dsv4_tree.serving.commit import apply_moves, pool_segments
 
@@ -52,7 +53,7 @@ def test_triton_commit_moves_pool_bytes_bitwise_as_the_torch_commit(kv, page_siz
     for t, b in zip(_storages(rt), before):
         t.copy_(b)
     with LaunchCounter() as launches:
-        apply_moves(rt.pools, moves, segments=segments)
+        apply_moves(rt.pools, moves, segments=segments, move_records=kernels.move_records)
     got = _storages(rt)
     assert launches.by_name == {"triton._move_kernel": 1}, dict(launches.by_name)
     assert any(not torch.equal(w, b) for w, b in zip(want, before)), "the moves changed nothing"
@@ -67,7 +68,7 @@ def test_triton_commit_is_one_launch_whatever_the_batch():
     for bs in (1, 2, 3):
         moves = rt.prepare_commit(rows[:bs], seq_lens[:bs], paths[:bs])
         with LaunchCounter() as launches:
-            apply_moves(rt.pools, moves, segments=segments)
+            apply_moves(rt.pools, moves, segments=segments, move_records=kernels.move_records)
         assert launches.by_name == {"triton._move_kernel": 1}, f"{bs=} {dict(launches.by_name)}"
 
 
@@ -84,7 +85,7 @@ def test_triton_commit_refuses_moves_of_other_ratios_before_writing():
     before = [t.clone() for t in _storages(rt)]
     called = []
     with pytest.raises(dt.InputError, match="ratios"):
-        apply_moves(rt.pools, other, lambda: called.append(1), segments)
+        apply_moves(rt.pools, other, lambda: called.append(1), segments, kernels.move_records)
     assert not called and all(torch.equal(t, b) for t, b in zip(_storages(rt), before))
 
 
@@ -95,7 +96,7 @@ def test_triton_commit_refuses_pools_whose_storage_moved():
     rt.pools[1].swa.storage = old.clone()
     before = [t.clone() for t in _storages(rt)]
     with pytest.raises(dt.StateError, match="moved"):
-        apply_moves(rt.pools, moves, segments=segments)
+        apply_moves(rt.pools, moves, segments=segments, move_records=kernels.move_records)
     assert all(torch.equal(t, b) for t, b in zip(_storages(rt), before)) and old.data_ptr()
 
 
@@ -113,3 +114,13 @@ def test_move_records_checks_its_arguments():
         kernels.move_records(seg, idx.int(), idx, bounds, 8)
     with pytest.raises(dt.InputError, match="max_width"):
         kernels.move_records(seg, idx, idx, bounds, 0)
+
+
+def test_commit_refuses_segments_without_their_kernel_before_writing():
+    rt, rows, paths, segments = _mapped_batch("fp8_e4m3", [27], 16)
+    moves = rt.prepare_commit(rows, [27], paths)
+    before = [t.clone() for t in _storages(rt)]
+    for kwargs in (dict(segments=segments), dict(move_records=kernels.move_records)):
+        with pytest.raises(dt.InputError, match="segments and move_records together"):
+            apply_moves(rt.pools, moves, **kwargs)
+        assert all(torch.equal(t, b) for t, b in zip(_storages(rt), before)), kwargs

@@ -6,7 +6,7 @@ import dsv4_tree as dt
 from cases import engine_for, prompt, small_model
 from dsv4_tree.drafters import NgramDrafter, PlantedDrafter, TreeShape
 from dsv4_tree.generate import truncate
-from dsv4_tree.reference.per_path import sequence_logits
+from dsv4_tree.model.full_forward import sequence_logits
 from cases import snapshot
 from test_commit import assert_same_state, serial_decode
 

@@ -10,7 +10,8 @@ from cases import check_against_oracle, deep_chain_tree, prompt, random_tree, sm
 from dsv4_tree import kernels
 from dsv4_tree.hf_bindings import apply_rotary_pos_emb
 from dsv4_tree.reference import ops as ref
-from dsv4_tree.attention.torch_ops import TIE_MARGIN, select_topk_table
+from dsv4_tree.attention.torch_ops import select_topk_table
+from dsv4_tree.numerics.ties import TIE_MARGIN
 from dsv4_tree.reference.sparse_decode import ref_indexer_gather_scores, ref_sparse_decode
 from dsv4_tree.serving import KVPool
 

@@ -58,7 +58,7 @@ def test_triton_build_equals_the_torch_build(data):
     pages = PageTable(MAX_REQ, MAX_POS, ps, layout.num_token_pages, layout.num_recent_pages)
     torch_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
     kernel_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
-    kernel_pages.use_kernels()
+    kernel_pages.use_kernels(kernels)
     rows, seq_lens, trees = draw_batch(data, pages)
     label = f"{ps=} {bucketed=} {seq_lens=} sizes={[t.num_nodes for t in trees]}"
     got, want = both_builds(pages, torch_pages, kernel_pages, layout, rows, seq_lens, trees, bucketed)
@@ -78,7 +78,7 @@ def test_other_ratio_sets_and_a_block_spanning_pages(ratios):
     pages = PageTable(MAX_REQ, MAX_POS, ps, layout.num_token_pages, layout.num_recent_pages)
     torch_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
     kernel_pages = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, ps, "cpu")
-    kernel_pages.use_kernels()
+    kernel_pages.use_kernels(kernels)
     rows = [pages.admit(), pages.admit()]
     trees = [dt.DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, 0, 0, 1, 3])),
              dt.DraftTree(torch.tensor([4, 3]), torch.tensor([-1, 0]))]
@@ -90,7 +90,7 @@ def small_step():
     layout = layout_for(16)
     pages = PageTable(MAX_REQ, MAX_POS, 16, layout.num_token_pages, layout.num_recent_pages)
     dev = DevicePages(MAX_REQ, pages.pages_per_request, layout.num_token_pages, 16, "cpu")
-    dev.use_kernels()
+    dev.use_kernels(kernels)
     rows = [pages.admit() for _ in range(3)]
     trees = [dt.DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0])) for _ in rows]
     seq = [40, 300, 9]

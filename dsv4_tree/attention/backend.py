@@ -25,6 +25,9 @@ class AttentionOps:
     swa_write: Callable = rows.swa_write  # the SWA K=V rows: kv_proj, kv_norm, RoPE, the pool's store
     rope_rows: Callable = rows.rope_rows  # RoPE of [1, H, T, d] rows (the indexer query; inverse: the output)
     compressor_write: Callable = compress.write_compressor  # a compressor's rows, then its entries (compress.py)
+    # the Triton kernels package, for what serving runs as kernels under this backend (the table
+    # build, FP8 K=V stores, commit moves: ServingRuntime(kernels=...)); None: their torch paths
+    kernels: object = None
 
 
 TORCH_OPS = AttentionOps("torch", torch_ops.pool_entries, torch_ops.indexer_gather_scores,
@@ -42,7 +45,7 @@ def get_backend(name: str) -> AttentionOps:
                                 kernels.indexer_paged_scores, kernels.sparse_decode, kernels.indexer_topk,
                                 hc_pre=kernels.hc_pre, hc_post=kernels.hc_post, q_rows=rows.triton_q_rows,
                                 swa_write=rows.triton_swa_write, rope_rows=rows.triton_rope_rows,
-                                compressor_write=kernels.compressor_write)
+                                compressor_write=kernels.compressor_write, kernels=kernels)
         except ImportError as exc:
             raise ConfigError(f"attention_backend='triton' needs triton installed: {exc}") from exc
     raise ConfigError(f"attention_backend={name!r} is not available; choose one of ('torch', 'triton')")

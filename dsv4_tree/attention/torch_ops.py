@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.casts import as_dtype, f32
+from ..numerics.ties import TIE_MARGIN
 
 
 def pool_entries(
@@ -41,9 +42,6 @@ def pool_entries(
     weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     pooled = kv_norm((kv * weights).sum(dim=1)).unsqueeze(0)  # [1, E, d]
     return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1).squeeze(0)
-
-
-TIE_MARGIN = 1e-4  # relative score gap at the top-k boundary reported as a (near-)tie
 
 
 def topk_order(scores: torch.Tensor, topk: int):

@@ -4,7 +4,7 @@ DSpark drafts `block_size` (gamma) tokens in one pass of a small backbone:
 
 * **Stages.** One DeepSeek-V4 decoder layer per target layer it reads (`target_layer_ids`):
   mHC, sliding-window MQA with sink and no compressor, routed MoE (the MTP layer's config,
-  `mtp_config`). Stage 0's input streams are the block's embeddings repeated hc_mult times.
+  `draft_weights.draft_layer_config`). Stage 0's input streams are the block's embeddings repeated hc_mult times.
 * **Context ("KV injection").** For every committed position p the target's residual streams
   at the *input* of each target layer, averaged over the hc streams and concatenated
   ([L * hidden]), go through `main_proj` and `main_norm`; each stage's own `kv_proj`,
@@ -29,14 +29,12 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..hf_bindings import DeepseekV4Config
-from .mtp import mtp_config
+from .draft_weights import DSPARK_KEYS, draft_layer_config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperHead,
     DeepseekV4RMSNorm,
 )
-
-DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 
 
 def _is_int(v) -> bool:
@@ -103,7 +101,7 @@ class DSparkSettings:
 def stage_config(config: DeepseekV4Config, settings: DSparkSettings) -> DeepseekV4Config:
     """A stage's layer config: the MTP layer's (sliding window, routed MoE), with the stage
     expert counts when the checkpoint sets them."""
-    cfg = mtp_config(config)
+    cfg = draft_layer_config(config)
     if settings.n_routed_experts is not None:
         cfg.n_routed_experts = settings.n_routed_experts
     if settings.num_experts_per_tok is not None:

@@ -20,9 +20,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from .dspark import DSPARK_KEYS, DSparkModule, DSparkSettings
-from .files import read_config, read_tensors
-from .mtp import CKPT_TO_MODULE, EXPERT_NAME, split_experts, stack_experts
+from .draft_weights import DSPARK_KEYS, EXPERT_NAME, LAYER_TO_MODULE, split_experts, stack_experts
+from .dspark import DSparkModule, DSparkSettings
+from .files import read_config, read_tensors, replaced_directory
 
 SUBFOLDER = "dspark"
 # config keys that shape the stages (built from the target's config): a DSpark config.json holding
@@ -31,8 +31,6 @@ STRUCTURE_KEYS = ("hidden_size", "vocab_size", "head_dim", "num_attention_heads"
                   "o_groups", "hc_mult", "hc_sinkhorn_iters", "sliding_window", "moe_intermediate_size",
                   "n_shared_experts", "rms_norm_eps", "rope_theta", "rope_parameters")
 PREFIX = "mtp."
-# stage-layer names: the MTP table's decoder entries (checkpoint sub-name -> layer state-dict name)
-_LAYER = {k: v[len("decoder."):] for k, v in CKPT_TO_MODULE.items() if v.startswith("decoder.")}
 _FIRST = {"main_proj.weight": "main_proj.weight", "main_norm.weight": "main_norm.weight"}
 _LAST = {"norm.weight": "norm.weight", **{f"hc_head_{x}": f"hc_head.hc_{x}" for x in ("fn", "base", "scale")},
          "markov_head.embed.weight": "markov_embed.weight", "markov_head.head.weight": "markov_head.weight",
@@ -40,8 +38,8 @@ _LAST = {"norm.weight": "norm.weight", **{f"hc_head_{x}": f"hc_head.hc_{x}" for 
 
 
 def _module_name(stage: int, sub: str, num_stages: int) -> str | None:
-    if sub in _LAYER:
-        return f"stages.{stage}.{_LAYER[sub]}"
+    if sub in LAYER_TO_MODULE:
+        return f"stages.{stage}.{LAYER_TO_MODULE[sub]}"
     if stage == 0 and sub in _FIRST:
         return _FIRST[sub]
     if stage == num_stages - 1 and sub in _LAST:
@@ -55,7 +53,7 @@ def to_checkpoint_names(module: DSparkModule) -> dict:
     s_last = module.settings.num_stages - 1
     back = {}
     for s in range(module.settings.num_stages):
-        back.update({f"stages.{s}.{v}": f"{PREFIX}{s}.{k}" for k, v in _LAYER.items()})
+        back.update({f"stages.{s}.{v}": f"{PREFIX}{s}.{k}" for k, v in LAYER_TO_MODULE.items()})
     back.update({v: f"{PREFIX}0.{k}" for k, v in _FIRST.items()})
     back.update({v: f"{PREFIX}{s_last}.{k}" for k, v in _LAST.items()})
     out = {back[k]: v for k, v in sd.items() if k in back}
@@ -149,7 +147,7 @@ def _release_name(module_name: str, settings: DSparkSettings) -> str:
     s_last = settings.num_stages - 1
     if module_name.startswith("stages."):
         _, s, rest = module_name.split(".", 2)
-        for k, v in _LAYER.items():
+        for k, v in LAYER_TO_MODULE.items():
             if v == rest:
                 return f"{PREFIX}{s}.{k}"
         return f"{PREFIX}{s}.ffn.experts.*"
@@ -165,7 +163,6 @@ def write_dspark(directory, module: DSparkModule, target_config, extra=None) -> 
     dtype and a config.json: the target's config plus the `dspark_*` keys), plus whatever
     `extra(folder)` writes there; written to a temporary sibling and renamed into place, so a
     failure leaves the old subfolder (or none). -> the subfolder."""
-    from .tiny import replaced_directory
 
     sub = Path(directory) / SUBFOLDER
     with replaced_directory(sub) as tmp:

@@ -1,11 +1,15 @@
-"""Reading a checkpoint directory's files: which shards, what quantisation, tensors by prefix.
+"""A checkpoint directory's files: which shards, what quantisation, tensors by prefix, and
+replacing a directory whole when writing one.
 
 Used before handing a directory to transformers (to refuse, with the file or key named, what we
 cannot serve) and to read the `mtp.*` tensors transformers drops, dequantising FP8 / FP4 pairs
 on the CPU."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -81,6 +85,22 @@ def release_complete(path: Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def replaced_directory(directory: Path):
+    """Yield a fresh folder beside `directory`; when the block succeeds it replaces `directory`
+    whole (a half-written checkpoint is never left under the final name)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
+    try:
+        yield tmp
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def _scale_name(name: str, names) -> str | None:

@@ -12,9 +12,7 @@ in DeepSeek's naming (`mtp.0.<layer tensors as in layers.N>`, `mtp.0.enorm.weigh
 dequantising FP8 / FP4 ones on the CPU (release format, see checkpoint_files.py)."""
 from __future__ import annotations
 
-import copy
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -22,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError
-from .files import read_tensors
-from .release_names import split_experts as split_stacked
+from .files import read_config, read_tensors
+from .draft_weights import DSPARK_KEYS, EXPERT_NAME, LAYER_TO_MODULE, draft_layer_config, split_experts, stack_experts
 from ..hf_bindings import DeepseekV4Config
 from ..numerics.norms import rms_norm
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -36,42 +34,17 @@ MTP_PREFIX = "mtp.0."
 
 # checkpoint name (after mtp.0.) -> MtpBlock state-dict name; one table, read both ways
 CKPT_TO_MODULE = {
-    "attn_norm.weight": "decoder.input_layernorm.weight",
-    "ffn_norm.weight": "decoder.post_attention_layernorm.weight",
-    **{f"hc_{part}_{leaf}": f"decoder.{part}_hc.{leaf}" for part in ("attn", "ffn") for leaf in ("fn", "base", "scale")},
+    **{k: f"decoder.{v}" for k, v in LAYER_TO_MODULE.items()},
     **{f"hc_head_{leaf}": f"hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")},
-    "attn.attn_sink": "decoder.self_attn.sinks",
-    "attn.wq_a.weight": "decoder.self_attn.q_a_proj.weight",
-    "attn.wq_b.weight": "decoder.self_attn.q_b_proj.weight",
-    "attn.q_norm.weight": "decoder.self_attn.q_a_norm.weight",
-    "attn.wkv.weight": "decoder.self_attn.kv_proj.weight",
-    "attn.norm.weight": "decoder.self_attn.kv_norm.weight",
-    "attn.wo_a.weight": "decoder.self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "decoder.self_attn.o_b_proj.weight",
-    "ffn.gate.weight": "decoder.mlp.gate.weight",
-    "ffn.gate.bias": "decoder.mlp.gate.e_score_correction_bias",
-    "ffn.shared_experts.w1.weight": "decoder.mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w2.weight": "decoder.mlp.shared_experts.down_proj.weight",
-    "ffn.shared_experts.w3.weight": "decoder.mlp.shared_experts.up_proj.weight",
     **{f"{m}.weight": f"{m}.weight" for m in ("enorm", "hnorm", "e_proj", "h_proj", "norm")},
 }
 MODULE_TO_CKPT = {v: k for k, v in CKPT_TO_MODULE.items()}
-EXPERT_NAME = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-
-
-def mtp_config(config: DeepseekV4Config) -> DeepseekV4Config:
-    """The draft layer's config: one sliding-window layer (ratio 0) with a routed MoE."""
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = 1
-    cfg.layer_types = ["sliding_attention"]
-    cfg.mlp_layer_types = ["moe"]
-    return cfg
 
 
 class MtpBlock(nn.Module):
     def __init__(self, config: DeepseekV4Config):
         super().__init__()
-        cfg = mtp_config(config)
+        cfg = draft_layer_config(config)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = DeepseekV4RMSNorm(d, eps=eps)
         self.hnorm = DeepseekV4RMSNorm(d, eps=eps)
@@ -85,23 +58,6 @@ class MtpBlock(nn.Module):
         """embed [T, d] (token embeddings), hidden [T, hc, d] -> layer input [1, T, hc, d]."""
         e = self.e_proj(rms_norm(self.enorm, embed))
         return (e.unsqueeze(1) + self.h_proj(rms_norm(self.hnorm, hidden))).unsqueeze(0)
-
-
-def stack_experts(experts: dict, prefix: str, n: int, into: str) -> dict:
-    """Per-expert checkpoint weights {(i, "w1"|"w2"|"w3"): tensor} -> the decoder's stacked
-    `{into}mlp.experts.gate_up_proj` / `down_proj`; CheckpointError names the first missing one."""
-    missing = [(i, w) for i in range(n) for w in ("w1", "w2", "w3") if (i, w) not in experts]
-    if missing:
-        raise CheckpointError(f"experts incomplete: missing {prefix}ffn.experts.{missing[0][0]}.{missing[0][1]}.weight")
-    return {f"{into}mlp.experts.gate_up_proj": torch.stack(
-                [torch.cat([experts[(i, "w1")], experts[(i, "w3")]], 0) for i in range(n)]),
-            f"{into}mlp.experts.down_proj": torch.stack([experts[(i, "w2")] for i in range(n)])}
-
-
-def split_experts(sd: dict, into: str, prefix: str) -> dict:
-    """Inverse of stack_experts: the decoder's stacked experts under `into` -> checkpoint names under
-    `prefix` (release_names.split_experts, the main layers' own split)."""
-    return split_stacked(f"{prefix}ffn.", sd[f"{into}mlp.experts.gate_up_proj"], sd[f"{into}mlp.experts.down_proj"])
 
 
 def mtp_state_dict(tensors: dict, config: DeepseekV4Config) -> dict:
@@ -142,8 +98,6 @@ def load_mtp(model) -> MtpBlock:
     """The MTP block of a loaded model's checkpoint (reads its safetensors again)."""
     if model.source is None:
         raise CheckpointError("the model was not loaded from a checkpoint directory, so its mtp.* weights are unknown")
-    from .dspark import DSPARK_KEYS
-    from .files import read_config
 
     if any(k in read_config(model.source) for k in DSPARK_KEYS):
         raise CheckpointError(f"{model.source}: its mtp.* tensors are a DSpark module (config.json has dspark_* keys), "

@@ -17,10 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from .files import INDEX_FILE, release_complete  # noqa: F401  (release_complete: re-export)
+from .files import INDEX_FILE, replaced_directory
 from .quant import FP8_BLOCK, FP4_GROUP, fp8_block_shape_ok, quantize_fp4, quantize_fp8_blocks
 from .release_names import release_state_dict
-from .tiny import replaced_directory
 
 SCALE_SUFFIX = "_scale_inv"  # `w.weight` -> `w.weight_scale_inv`
 KEEP_DTYPE = torch.bfloat16

@@ -6,16 +6,14 @@ biases, hash routing table and router correction bias get non-trivial random val
 there would hide bugs in exactly the code tree verify changes."""
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..hf_bindings import DeepseekV4Config, DeepseekV4ForCausalLM
+from .files import release_complete, replaced_directory
 
 TINY_NAME = "tiny-random-v2"
 TINY_RELEASE_NAME = "tiny-release-v1"
@@ -155,22 +153,6 @@ def random_dspark(config: DeepseekV4Config, settings, seed: int = TINY_SEED):
     return module
 
 
-@contextlib.contextmanager
-def replaced_directory(directory: Path):
-    """Yield a fresh folder beside `directory`; when the block succeeds it replaces `directory`
-    whole (a half-written checkpoint is never left under the final name)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
-    try:
-        yield tmp
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
 def write_random_checkpoint(directory, config: DeepseekV4Config | None = None, seed: int = TINY_SEED,
                             with_mtp: bool = True) -> Path:
     """Write a seeded random checkpoint (config.json + model.safetensors, with mtp.* tensors
@@ -201,7 +183,7 @@ def tiny_checkpoint(directory=None, format: str = "hf") -> Path:
             write_random_checkpoint(directory)
         return directory
     if format == "release":
-        from .release import release_complete, write_release
+        from .release import write_release
 
         directory = Path(directory) if directory is not None else default_home() / TINY_RELEASE_NAME
         if not release_complete(directory):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.per_path import sequence_logits
+from ..model.full_forward import sequence_logits
 from ..request import check_live
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape

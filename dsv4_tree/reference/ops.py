@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.torch_ops import TIE_MARGIN  # the rule's near-tie margin (one definition)
+from ..numerics.ties import TIE_MARGIN  # the rule's near-tie margin (one definition)
 
 
 def ref_pool_entries(kv: torch.Tensor, gate: torch.Tensor, kv_norm, cos: torch.Tensor, sin: torch.Tensor,

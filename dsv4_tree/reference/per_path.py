@@ -6,11 +6,8 @@ import contextlib
 import torch
 
 from ..errors import InputError
+from ..model.full_forward import hf_of
 from ..tree.draft_tree import DraftTree
-
-
-def _hf(model):
-    return getattr(model, "hf", model)
 
 
 def _stable_rank(module, args, scores):
@@ -28,21 +25,13 @@ def tie_rule(model):
 
     HF's scores feed only its top-k, whose choice among equal scores is unspecified; this
     fixes that choice and changes nothing where there is no tie."""
-    hf = _hf(model)
+    hf = hf_of(model)
     handles = [m.register_forward_hook(_stable_rank) for name, m in hf.named_modules() if name.endswith("indexer.scorer")]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-
-
-@torch.no_grad()
-def sequence_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """HF forward (no cache) over ids [L]; logits of every position. [L, vocab]"""
-    hf = _hf(model)
-    ids = torch.as_tensor(ids, dtype=torch.int64).to(hf.lm_head.weight.device).unsqueeze(0)
-    return hf(input_ids=ids, use_cache=False).logits[0]
 
 
 @torch.no_grad()
@@ -61,7 +50,7 @@ def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool 
     if committed.is_floating_point() or committed.is_complex() or committed.dtype == torch.bool:
         raise InputError(f"committed_ids must hold integer token ids, got {committed.dtype}")
     committed = committed.long().cpu().reshape(-1)
-    vocab = _hf(model).config.vocab_size
+    vocab = hf_of(model).config.vocab_size
     for name, ids in (("committed_ids", committed), ("tree.tokens", tree.tokens)):
         bad = ids[(ids < 0) | (ids >= vocab)]
         if bad.numel():
@@ -70,7 +59,7 @@ def per_path_logits(model, committed_ids, tree: DraftTree, apply_tie_rule: bool 
     groups = [[i] for i in range(tree.num_nodes)]
     if batch_by_depth:
         groups = [(tree.depth == d).nonzero().flatten().tolist() for d in range(tree.max_depth + 1)]
-    hf = _hf(model)
+    hf = hf_of(model)
     with tie_rule(model) if apply_tie_rule else contextlib.nullcontext():
         for group in groups:
             seqs = torch.stack([torch.cat([committed, tree.path_tokens(i)]) for i in group])

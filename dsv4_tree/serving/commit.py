@@ -149,14 +149,20 @@ def plan_moves(pages: PageTable, layout: Layout, rows, seq_lens, paths, carry=()
 
 
 @torch.inference_mode()
-def apply_moves(pools: list, moves: SlotMoves, before_write=None, segments: PoolSegments | None = None) -> None:
+def apply_moves(pools: list, moves: SlotMoves, before_write=None, segments: PoolSegments | None = None,
+                move_records=None) -> None:
     """Bitwise copies into every layer's pools (gather first, so overlapping moves are safe).
     before_write(): called once before the first copy. From then on the draft rows may be
     moved over (a move's destination can be another's source), so a commit that fails part-way
     cannot be retried from them: the engine marks the verify output spent there.
 
-    segments (the Triton backend): every pool's copies in one kernel launch over the segment
-    table (kernels/commit_moves.py); without, the torch copies below (the reference)."""
+    segments and move_records (the Triton backend): every pool's copies in one launch of
+    `move_records` (kernels/commit_moves.py) over the segment table; without, the torch copies
+    below (the reference)."""
+    if (segments is None) != (move_records is None):
+        raise InputError("apply_moves needs segments and move_records together (the Triton commit) or neither "
+                         f"(the torch commit); got segments={'set' if segments is not None else None}, "
+                         f"move_records={'set' if move_records is not None else None}")
     if segments is not None and segments.ratios != moves.ratios:
         raise InputError(f"commit moves for ratios {moves.ratios}, pool segments for {segments.ratios}")
     if segments is not None and tuple(seg[0] for _, seg in _segment_rows(pools, segments.ratios)) != segments.bases:
@@ -164,9 +170,7 @@ def apply_moves(pools: list, moves: SlotMoves, before_write=None, segments: Pool
     if before_write is not None:
         before_write()
     if segments is not None:
-        from .. import kernels
-
-        kernels.move_records(segments.table, moves.src, moves.dst, moves.bounds, segments.max_width)
+        move_records(segments.table, moves.src, moves.dst, moves.bounds, segments.max_width)
         return
     rs, rd = moves.recent_src, moves.recent_dst
     for lp in pools:

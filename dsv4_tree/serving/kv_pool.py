@@ -56,13 +56,12 @@ class KVPool:
             self.bytes_per_token = head_dim * self.storage.element_size()
             self.page_bytes = page_size * self.bytes_per_token
 
-    def use_kernels(self) -> None:
+    def use_kernels(self, fp8_store) -> None:
         """The Triton backend: an FP8 pool quantises and stores each write in one kernel
-        (kernels/fp8_store.py, byte-equal to the torch writer); other pools keep their writes."""
+        (`fp8_store`: kernels/fp8_store.py, byte-equal to the torch writer); other pools keep
+        their writes."""
         if self.record is not None:
-            from .. import kernels
-
-            self._store = kernels.fp8_store
+            self._store = fp8_store
 
     def __repr__(self) -> str:
         return (f"KVPool(kind={self.kind!r}, kv_dtype={self.kv_dtype!r}, num_slots={self.num_slots}, "

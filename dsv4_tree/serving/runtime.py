@@ -30,7 +30,11 @@ def make_layout(model, spec, limits) -> Layout:
 
 
 class ServingRuntime:
-    def __init__(self, model, spec, limits):
+    """kernels: the Triton kernels package (`AttentionOps.kernels` of the Triton backend) when the
+    table build, FP8 K=V stores and commit moves run as kernels; None runs their torch paths.
+    Passed in, never imported: serving sits below the kernels in the layer order."""
+
+    def __init__(self, model, spec, limits, kernels=None):
         self.model = model
         self.layout = make_layout(model, spec, limits)
         # slots, not positions: draft node i sits at slot P + i while its position is P + depth,
@@ -43,12 +47,13 @@ class ServingRuntime:
                                         self.layout.num_token_pages, spec.page_size, model.device)
         self.max_nodes = limits.max_nodes
         # the Triton backend commits every pool's moves in one launch over this byte-segment table
-        self.segments = pool_segments(self.pools, self.layout) if spec.attention_backend == "triton" else None
-        if spec.attention_backend == "triton":  # the table build and FP8 K=V writes as kernels
-            self.device_pages.use_kernels()
+        self.kernels = kernels
+        self.segments = pool_segments(self.pools, self.layout) if kernels is not None else None
+        if kernels is not None:  # the table build and FP8 K=V writes as kernels
+            self.device_pages.use_kernels(kernels)
             for lp in self.pools:
                 for pool in (lp.swa, *(c.entries for c in lp.compressors)):
-                    pool.use_kernels()
+                    pool.use_kernels(kernels.fp8_store)
 
     def admit(self) -> int:
         return self.pages.admit()
@@ -98,7 +103,8 @@ class ServingRuntime:
     def apply_commit(self, moves: SlotMoves, rows, new_lengths, before_write=None) -> None:
         """Apply prepared moves, then free pages past new_lengths and recent pages before
         new_lengths - R."""
-        apply_moves(self.pools, moves, before_write, self.segments)
+        apply_moves(self.pools, moves, before_write, self.segments,
+                    self.kernels.move_records if self.kernels is not None else None)
         self.pages.shrink(rows, new_lengths)
         self.pages.evict(rows, [n - self.layout.recent_window for n in new_lengths])
 

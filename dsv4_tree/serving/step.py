@@ -42,17 +42,16 @@ class DevicePages:
     """The device copy of the page tables (TokenPages), kept in step by the updates each step
     carries. Entries freed on the host stay stale here: the build reads only positions the host
     has mapped again (positions < P + N, recent pages of positions >= P - recent window).
-    `use_kernels()` (the Triton backend): the updates and the build run as Triton kernels
-    (kernels/table_build.py: three launches, bitwise the torch build's tables)."""
+    `use_kernels(kernels)` (the Triton backend, given the kernels package): the updates and the
+    build run as Triton kernels (kernels/table_build.py: three launches, bitwise the torch build's
+    tables)."""
 
     def __init__(self, max_requests: int, pages_per_request: int, num_token_pages: int, page_size: int, device):
         self.pages = TokenPages(torch.full((max_requests, pages_per_request), -1, dtype=torch.int32, device=device),
                                 torch.full((num_token_pages,), -1, dtype=torch.int32, device=device), page_size)
         self.kernels = None  # the kernels package when the build runs as Triton kernels
 
-    def use_kernels(self) -> None:
-        from .. import kernels
-
+    def use_kernels(self, kernels) -> None:
         self.kernels = kernels
 
     def apply(self, cells, token_pages, swa_of, swa_pages) -> None:
