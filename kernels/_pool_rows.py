@@ -21,6 +21,7 @@ import triton.language as tl
 from dsv4_tree.errors import InputError
 
 from ._launch import FLOATS
+from ._dot import operand
 
 FLOAT_ROWS, KV_RECORD, INDEX_KEY_RECORD = 0, 1, 2
 
@@ -159,3 +160,17 @@ def load_index_codes(ptr, slots, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_
     bits = (_bytes_at(ptr, at, ok) | (_bytes_at(ptr, at + 1, ok) << 8) | (_bytes_at(ptr, at + 2, ok) << 16)
             | (_bytes_at(ptr, at + 3, ok) << 24))
     return tl.where(lane, _e4m3_to_f32(code), 0.0), tl.where(ok, bits.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def dot_keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT: tl.constexpr,
+             MMA: tl.constexpr, CODES: tl.constexpr):
+    """A key tile [BC, BD] as a dot operand (`_dot.operand`) and each key's factor [BC] for its
+    dots: 1 (0 where not ok), or with CODES an FP8 index key's block scale (the dot takes the
+    exact e4m3 values; the caller multiplies the dot by the factor)."""
+    if CODES:
+        keys, kscale = load_index_codes(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+    else:
+        keys = load_pool_rows(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
+        kscale = tl.where(ok, 1.0, 0.0)
+    return operand(keys, MMA), kscale

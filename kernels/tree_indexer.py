@@ -33,7 +33,7 @@ from dsv4_tree.errors import InputError
 from ._launch import INDEX, check, check_device, check_index_query, pow2
 from ._meta import on_meta
 from ._dot import INTERPRETED, dot, operand
-from ._pool_rows import INDEX_KEY_RECORD, bf16_rows, load_index_codes, load_pool_rows, pool_format
+from ._pool_rows import INDEX_KEY_RECORD, bf16_rows, dot_keys, pool_format
 
 NO_KEY = -9223372036854775807  # below every packed key of a finite score
 
@@ -54,19 +54,6 @@ def _unpack(key):
     ordered = (key >> 32).to(tl.int32)
     bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True), 2147483647 - (key & 0xFFFFFFFF)
-
-
-@triton.jit
-def _keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT: tl.constexpr,
-          MMA: tl.constexpr, CODES: tl.constexpr):
-    """A key tile [BC, BD] as a dot operand and each key's factor [BC] for its dots (1, or an
-    FP8 index key's block scale when CODES: the dot takes the exact e4m3 values)."""
-    if CODES:
-        keys, kscale = load_index_codes(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
-    else:
-        keys = load_pool_rows(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
-        kscale = tl.where(ok, 1.0, 0.0)
-    return operand(keys, MMA), kscale
 
 
 @triton.jit
@@ -179,7 +166,7 @@ def _indexer_topk_kernel(q_ptr, w_ptr, pages_ptr, elen_ptr, branch_ptr, rows_ptr
                 ok = ok & (slot >= 0)
                 col = c_width + own_j
                 owner = c_row
-            keys, kscale = _keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
+            keys, kscale = dot_keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
                                  FMT, MMA, CODES)
             s = _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, kscale, H, D, rd, BN, BH, BC, MMA) * scale
             mine = ok[None, :] & rn_ok[:, None] & ((owner[None, :] < 0) | (owner[None, :] == rn[:, None]))
@@ -257,7 +244,7 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
         q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, buf, h, d, n, groups, cp, epp,
         kb, k, float(scale), TIE_MARGIN, *fmt.kernel_args(),
         FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(64, kp), KP=kp,
-        BD=pow2(d))
+        BD=pow2(d), num_warps=8)  # 8 warps: at 4 the V4-Flash tile (KP 1024) spills
     return sel, lengths, ties, scores
 
 
