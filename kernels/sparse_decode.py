@@ -219,5 +219,6 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
         indices, lengths, indices.shape[1], *main.kernel_args(),
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
         req_rows, n, groups, shared_pages, shared_len, shared_pages.shape[1], int(shared_per_page),
-        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d), MMA=mma)
+        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d), MMA=mma,
+        num_warps=8 if d > 256 else 4, num_stages=2 if d > 256 else 3)  # head_dim 512: 4 warps or 3 stages spill
     return out, lse

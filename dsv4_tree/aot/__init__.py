@@ -6,7 +6,8 @@
     compiler.py   runs specs through the worker: time bound, memory bound, on-disk cache
     checks.py     the limits (shared memory, spills, MMA, compile time) and the summary table
     scenarios.py  the launches the library makes: tiny, V4-Flash and V4-Pro verify, prefill, commit
-    controls.py   negative controls: kernels built to spill and to exceed shared memory
+    controls.py   negative controls (control_kernels.py: kernels built to spill and to exceed smem)
+    gate.py       run_gate: record, compile, check -> GateReport
     __main__.py   `python -m dsv4_tree.aot` (scripts/aot_gate)
 
 Nothing here runs at import; Triton is imported by the functions that need it.

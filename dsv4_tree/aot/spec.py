@@ -34,7 +34,10 @@ class KernelSpec:
 
     def constexpr(self, param: str):
         """The value of a constexpr parameter by name (None when absent)."""
-        index = [p for p, _ in self.signature].index(param)
+        names = [p for p, _ in self.signature]
+        if param not in names:
+            return None
+        index = names.index(param)
         return dict((tuple(p), v) for p, v in self.constexprs).get((index,))
 
     def short(self) -> str:
