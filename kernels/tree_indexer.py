@@ -4,21 +4,26 @@
                                            req_rows, scale, topk)
 
 One program per request (per group of 16 of its rows when it has more: prefill chunks). Its
-tile holds every row of the request and every index head (M = N x HI); each tile of the request's committed indexer keys (read through the entry page
-table, FP8 records dequantised in registers, `_pool_rows.py`) is loaded once and scored for all
-rows and heads: dot, ReLU, head weights and the head sum stay in registers. Scores never reach
-memory: each row keeps a running top-k as packed int64 keys (score bits made order-preserving in
-the high word, `2^31 - 1 - column` in the low word), so a descending sort is the tie rule itself:
-higher score first, then the earlier column (block order: committed entries 0..C-1, then the
-row's branch entries C..C+Kb-1). A chunk of KP candidates is merged into the KP kept ones with
-one bitonic top-KP of their union (KP = the power of two above k, so the (k+1)-th best, which
-decides the tie flag, is kept too). After the committed chunks, each row's own branch keys
-(the only keys rows do not share) are scored and merged the same way, up to KP per merge; then the kept columns
-are mapped to entry slots and written: selected [T, k], lengths [T], ties [T], and the selected
-scores [T, k]. No [T, C] score tensor exists at any point.
+dot tile holds every row of the request and BH index heads (M = BN x BH, 64 for the tensor-core
+form); each tile of BC request's committed indexer keys (read through the entry page table) is
+loaded once and scored for all rows and heads: dot, ReLU, head weights and the head sum stay in
+registers. Each score is packed into an int64 key (score bits made order-preserving in the high
+word, `2^31 - 1 - column` in the low word), so a descending sort is the tie rule itself: higher
+score first, then the earlier column (block order: committed entries 0..C-1, then the row's
+branch entries C..C+Kb-1). Each row keeps its best KP keys (KP = the power of two above k, so the
+(k+1)-th best, which decides the tie flag, is kept too) in a [2 KP] buffer in global memory: keys
+above the row's threshold (its KP-th best) are appended to the incoming half; when a row could
+overflow, and after the last tile, incoming and kept merge (`_best`: one sort and one bitonic
+merge) and the threshold rises. Shared memory and code size do not depend on KP or N. After the
+committed tiles, each row's own branch keys (the only keys rows do not share) are scored the same
+way, BC / BN per row per tile; then the kept columns are mapped to entry slots and written:
+selected [T, k], lengths [T], ties [T], and the selected scores [T, k]. No [T, C] score tensor
+exists at any point.
 
-Dots take fp32 inputs with `input_precision="ieee"` (never TF32). Rows of no request (padding)
-are read by no program: their outputs stay -1 / 0.
+Dots (`_dot.py`): bf16 tensor-core dots with fp32 accumulation for bf16 queries over keys exact in
+bf16 (the e4m3 codes of an FP8 index key, its block scale applied to the dot), else fp32 inputs
+with `input_precision="ieee"` (never TF32). Rows of no request (padding) are read by no program:
+their outputs stay -1 / 0.
 Reference: dsv4_tree.reference.indexer_topk.ref_indexer_topk (ref_indexer_paged_scores +
 ref_indexer_gather_scores + the tie rule)."""
 from __future__ import annotations
@@ -79,22 +84,33 @@ def _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, kscale, H, D, rd, BN: tl.constex
 
 
 @triton.jit
-def _best(kept, incoming, KP: tl.constexpr):
+def _best_network(kept, incoming, KP: tl.constexpr):
     """The best KP of kept [KP] (sorted, best first) and incoming [KP] (any order), sorted best
-    first. On a GPU: incoming sorted ascending against kept descending, the elementwise max holds
-    the best KP of the union as a bitonic sequence, which one bitonic merge sorts (no sort of
-    2 KP keys). The interpreter runs Triton's sort network one Python reduction per element
-    (~0.5 s per sort at KP = 16), so there each key's rank in the union is counted instead (ties
-    by position, for the repeated empty keys): the same result, which tests check against the
-    network's (test_indexer_topk.py)."""
+    first: incoming sorted ascending against kept descending, the elementwise max holds the best
+    KP of the union as a bitonic sequence, which one bitonic merge sorts (no sort of 2 KP keys)."""
+    return tl.bitonic_merge(tl.maximum(kept, tl.sort(incoming)), descending=True)
+
+
+@triton.jit
+def _best_rank(kept, incoming, KP: tl.constexpr):
+    """_best_network's result by counting each key's rank in the union (ties by position, for the
+    repeated empty keys): O(KP^2) work, for the interpreter, which runs Triton's sort network one
+    Python reduction per element (~0.5 s per sort at KP = 16)."""
+    both = tl.reshape(tl.join(kept, incoming), (2 * KP,))
+    i = tl.arange(0, 2 * KP)
+    above = (both[None, :] > both[:, None]) | ((both[None, :] == both[:, None]) & (i[None, :] < i[:, None]))
+    rank = tl.sum(above.to(tl.int32), axis=1)
+    return tl.sum(tl.where(rank[None, :] == tl.arange(0, KP)[:, None], both[None, :], 0), axis=1)
+
+
+@triton.jit
+def _best(kept, incoming, KP: tl.constexpr):
+    """The network on a GPU, the rank count in the interpreter: the same keys
+    (tests/test_indexer_topk.py runs both under the interpreter)."""
     if INTERPRETED:
-        both = tl.reshape(tl.join(kept, incoming), (2 * KP,))
-        i = tl.arange(0, 2 * KP)
-        above = (both[None, :] > both[:, None]) | ((both[None, :] == both[:, None]) & (i[None, :] < i[:, None]))
-        rank = tl.sum(above.to(tl.int32), axis=1)
-        return tl.sum(tl.where(rank[None, :] == tl.arange(0, KP)[:, None], both[None, :], 0), axis=1)
+        return _best_rank(kept, incoming, KP)
     else:
-        return tl.bitonic_merge(tl.maximum(kept, tl.sort(incoming)), descending=True)
+        return _best_network(kept, incoming, KP)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import torch
 import dsv4_tree as dt
 from cases import check_against_oracle, prompt, random_tree, small_model
 from dsv4_tree import kernels
+from dsv4_tree.aot.record import LaunchRecorder
 from dsv4_tree.reference.sparse_decode import ref_indexer_gather_scores, ref_sparse_decode
 from dsv4_tree.serving import KVPool
 from test_kernels import TOL
@@ -146,7 +147,10 @@ def test_bf16_inputs_cost_one_output_rounding(device):
         q = args.pop("q").bfloat16()
         assert args["kv"].storage.dtype == args["extra_kv"].storage.dtype == torch.bfloat16
         want, want_lse = ref_sparse_decode(q.float(), **args)
-        got, got_lse = kernels.sparse_decode(q, **args)
+        with LaunchRecorder(run=None) as rec:  # records the launch's constexprs, runs it
+            got, got_lse = kernels.sparse_decode(q, **args)
+        # the launch took the tensor-core form (under the interpreter: its fp32 form of bf16 operands)
+        assert device.type != "cpu" or [s.constexpr("MMA") for s in rec.specs] == [True]
         assert got.dtype == torch.bfloat16
         vmax = torch.cat([args["kv"].read(torch.arange(args["kv"].num_slots, device=device)).abs().amax().view(1),
                           args["extra_kv"].read(torch.arange(args["extra_kv"].num_slots, device=device)).abs().amax().view(1)]).max()
@@ -158,6 +162,8 @@ def test_bf16_inputs_cost_one_output_rounding(device):
         torch.randn(300, 32, generator=gen)
     pool = pool_of(keys.to(device), "bfloat16")
     cand = torch.randint(-1, 300, (6, 300), generator=gen, dtype=torch.int32).to(device)
-    got = kernels.indexer_gather_scores(q.to(device), w.to(device), pool, cand, 32 ** -0.5)
+    with LaunchRecorder(run=None) as rec:
+        got = kernels.indexer_gather_scores(q.to(device), w.to(device), pool, cand, 32 ** -0.5)
+    assert device.type != "cpu" or [s.constexpr("MMA") for s in rec.specs] == [True]  # exact products: fp32 TOL
     want = ref_indexer_gather_scores(q.float().to(device), w.to(device), pool, cand, 32 ** -0.5)
     assert torch.allclose(got, want, **TOL)

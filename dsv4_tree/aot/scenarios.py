@@ -69,7 +69,7 @@ QUICK = ("tiny", "flash-verify")  # the normal suite's gate
 FULL = tuple(SCENARIOS)  # `slow` / scripts/aot_gate --full
 
 
-def model_for(dims: str, dtype=None):
+def model_for(dims: str, dtype=None, device: str = "cpu"):
     import torch
 
     import dsv4_tree as dt
@@ -83,7 +83,7 @@ def model_for(dims: str, dtype=None):
         cfg = dt.tiny_config(**(FLASH if dims == "flash" else PRO), num_hidden_layers=3, layer_types=kinds,
                              mlp_layer_types=["moe"] * 3)
         dtype = dtype or torch.bfloat16
-    return dt.load_model(random_model(cfg, seed=0), device="cpu", dtype=dtype)
+    return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
 
 
 def _engine(model, n: int, chunk: int, max_context: int):
@@ -106,7 +106,7 @@ def _run_step(model, step) -> None:
         req = eng.prefill(torch.randint(2, 1000, (step.length,), generator=torch.Generator().manual_seed(step.length)))
         eng.release(req)
         return
-    eng = _engine(model, step.n, 64, max(step.contexts))
+    eng = _engine(model, step.n, 64, sum(step.contexts))
     reqs = [synthetic_request(eng, p, seed=p) for p in step.contexts]
     trees = [eagle_tree(5, step.n, seed=i) for i in range(len(reqs))]
     out = eng.verify(reqs, trees)
@@ -115,7 +115,7 @@ def _run_step(model, step) -> None:
         eng.release(r)
 
 
-def _run_extra() -> None:
+def _run_extra(device: str = "cpu") -> None:
     """pool_entries at the plug-in's C4 (8 rows) and C128 (128 rows) compressors, d = 512, and
     the gather / paged indexer scores at V4-Flash's 64 x 128 index heads."""
     import torch
@@ -125,17 +125,18 @@ def _run_extra() -> None:
     from dsv4_tree import kernels
     from dsv4_tree.serving import KVPool
 
-    norm = SimpleNamespace(weight=torch.ones(512), variance_epsilon=1e-6)  # what pool_entries reads of an RMSNorm
+    z = dict(device=device)
+    norm = SimpleNamespace(weight=torch.ones(512, **z), variance_epsilon=1e-6)  # what pool_entries reads of an RMSNorm
     for r in (8, 128):
-        kv = torch.zeros(4, r, 512, dtype=torch.bfloat16)
+        kv = torch.zeros(4, r, 512, dtype=torch.bfloat16, **z)
         kernels.pool_entries(kv, kv.clone(), norm, None, None, lambda x, cos, sin: x)
-    keys = KVPool(64, 128, 0, "fp8_e4m3", 16, "cpu", torch.bfloat16, kind="index_key")
-    q = torch.zeros(8, 64, 128, dtype=torch.bfloat16)
-    w = torch.zeros(8, 64, dtype=torch.float32)
-    kernels.indexer_gather_scores(q, w, keys, torch.zeros(8, 32, dtype=torch.int64), 128 ** -0.5)
-    req_rows = torch.arange(8, dtype=torch.int32).view(1, 8)
-    kernels.indexer_paged_scores(q, w, keys, torch.zeros(1, 4, dtype=torch.int32), 16,
-                                 torch.tensor([40], dtype=torch.int32), req_rows, torch.arange(8), 128 ** -0.5)
+    keys = KVPool(64, 128, 0, "fp8_e4m3", 16, device, torch.bfloat16, kind="index_key")
+    q = torch.zeros(8, 64, 128, dtype=torch.bfloat16, **z)
+    w = torch.zeros(8, 64, dtype=torch.float32, **z)
+    kernels.indexer_gather_scores(q, w, keys, torch.zeros(8, 32, dtype=torch.int64, **z), 128 ** -0.5)
+    req_rows = torch.arange(8, dtype=torch.int32, **z).view(1, 8)
+    kernels.indexer_paged_scores(q, w, keys, torch.zeros(1, 4, dtype=torch.int32, **z), 16,
+                                 torch.tensor([40], dtype=torch.int32, **z), req_rows, torch.arange(8, **z), 128 ** -0.5)
 
 
 def record(names, progress=None) -> list:
@@ -158,3 +159,22 @@ def record(names, progress=None) -> list:
         if progress is not None:
             progress(name, len(rec.seen), rec.launches)
     return list(seen.values())
+
+
+def launch(names, device: str = "cuda", progress=None) -> None:
+    """Run the named scenarios with every kernel compiled and launched on `device` (a GPU; no
+    recording, no interpreter): the same shapes the gate compiled, each launched once for real."""
+    import torch
+
+    for name in names:
+        sc = SCENARIOS[name]
+        if sc.extra:
+            _run_extra(device)
+        else:
+            model = model_for(sc.dims, device=device)
+            for step in sc.steps:
+                _run_step(model, step)
+            del model
+        torch.cuda.synchronize()
+        if progress is not None:
+            progress(name)
