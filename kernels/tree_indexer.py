@@ -259,8 +259,8 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
     _indexer_topk_kernel[(b * groups,)](
         q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, buf, h, d, n, groups, cp, epp,
         kb, k, float(scale), TIE_MARGIN, *fmt.kernel_args(),
-        FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(64, kp), KP=kp,
-        BD=pow2(d), num_warps=8)  # 8 warps: at 4 the V4-Flash tile (KP 1024) spills
+        FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(64 if bn <= 8 else 32, kp), KP=kp,
+        BD=pow2(d), num_warps=8)  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
     return sel, lengths, ties, scores
 
 
