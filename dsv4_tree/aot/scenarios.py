@@ -8,7 +8,8 @@ requests (serving.synth) and EAGLE-shaped trees, and runs the verify step and a 
 `prefill`, a chunked prefill) inside a LaunchRecorder. The numeric kernels are recorded and not
 run (record.py says why that gives the same specs), so V4-Flash / V4-Pro shapes take seconds.
 
-    tiny          the tiny test config (fp32): verify N = 8 tree at bs 1 and 2, commit, prefill
+    tiny          the tiny test config (fp32): verify N = 8 tree at bs 1 and 2, commit
+    tiny-prefill  the tiny config: a prefill of 40 tokens in 16-row chunks
     flash-verify  V4-Flash dims, bf16: verify N = 8, bs 1, 1024 C4 entries (KP = 1024), commit
     flash-more    V4-Flash: N = 8 at bs 2, N = 16 and 64 at bs 1, N = 8 at a 64K context
     flash-prefill V4-Flash: prefill of 600 tokens in 256-row chunks and 200 in 64-row chunks
@@ -57,7 +58,8 @@ class Scenario:
 
 
 SCENARIOS = {
-    "tiny": Scenario("tiny", (Verify(8, (40,)), Verify(8, (40, 53)), Prefill(40, 16))),
+    "tiny": Scenario("tiny", (Verify(8, (40,)), Verify(8, (40, 53)))),
+    "tiny-prefill": Scenario("tiny", (Prefill(40, 16),)),
     "flash-verify": Scenario("flash", (Verify(8, (4200,)),)),
     "flash-more": Scenario("flash", (Verify(8, (4200, 4253)), Verify(16, (4200,)), Verify(64, (4200,)),
                                      Verify(8, (65549,)))),
