@@ -22,11 +22,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .checks import H200_SMEM  # the most shared memory one block may use on an H100 / H200
 from .spec import KernelSpec
-
-H200_SMEM = 227 * 1024  # the most shared memory one block may use on an H100 / H200 (static + dynamic)
 
 
 @dataclass
