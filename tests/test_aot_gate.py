@@ -65,6 +65,7 @@ def test_each_limit_flags_its_own_breach():
     assert checks.flags(_result(mma=0)) == ["NO-MMA"]
     # the fp32 form of the tiny (fp32) model needs no tensor cores; at V4 dims it would
     assert checks.flags(_result(mma_constexpr=False, mma=0), "tiny") == []
+    assert checks.flags(_result(mma_constexpr=False, mma=0), "tiny-prefill") == []
     assert checks.flags(_result(mma_constexpr=False, mma=0), "flash-verify") == ["NO-MMA"]
     assert checks.flags(_result("_hc_pre_kernel", mma=0), "flash-verify") == []
     assert checks.flags(_result(status="error", error="CompilationError")) == ["FAIL(error)"]

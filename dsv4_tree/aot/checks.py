@@ -11,7 +11,7 @@ Limits (an H200: sm_90a, 227 KB of shared memory per block, 255 registers per th
 * TIME        a compile (Triton's stages + ptxas) over the bound: the JIT stalls a user's first step.
 * NO-MMA      an attention or indexer kernel without a tensor-core instruction (HMMA / HGMMA ...)
               when it was launched in its bf16 form (constexpr MMA=True) or at a bf16 model's
-              dims (any scenario but "tiny", whose fp32 model takes the fp32 form by design).
+              dims (any scenario but the "tiny*" ones, whose fp32 model takes the fp32 form).
 * FAIL        the compile failed (error, timeout, memory, worker crash).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def flags(r, where: str = "", time_limit: float = TIME_LIMIT) -> list:
     if r.status == "ok":
         if r.get("spill_stores") or r.get("spill_loads") or r.get("stack") or r.get("local"):
             out.append("SPILL")
-        if r.spec.name in MMA_KERNELS and (r.spec.constexpr("MMA") is True or where != "tiny") and not r.get("mma"):
+        at_v4_dims = not where.startswith("tiny")  # the tiny scenarios' fp32 model takes the fp32 form
+        if r.spec.name in MMA_KERNELS and (r.spec.constexpr("MMA") is True or at_v4_dims) and not r.get("mma"):
             out.append("NO-MMA")
     return out
 

@@ -12,8 +12,10 @@ run (record.py says why that gives the same specs), so V4-Flash / V4-Pro shapes 
     tiny-prefill  the tiny config: a prefill of 40 tokens in 16-row chunks
     flash-verify  V4-Flash dims, bf16: verify N = 8, bs 1, 1024 C4 entries (KP = 1024), commit
     flash-more    V4-Flash: N = 8 at bs 2, N = 16 and 64 at bs 1, N = 8 at a 64K context
-    flash-prefill V4-Flash: prefill of 600 tokens in 256-row chunks and 200 in 64-row chunks
-    pro           V4-Pro dims (128 heads, top-k 1024): verify N = 8 (KP = 2048) and a 256-row chunk
+    flash-prefill V4-Flash: prefill of 600 tokens in 256-row chunks and 200 in 64-row chunks; 256
+                  and 64 rows at a 2100-token context (KP = 1024)
+    pro           V4-Pro dims (128 heads, top-k 1024): verify N = 8 at bs 1 and 2 (KP = 2048), a prefill
+                  in 256-row chunks, and 256 rows at an 8400-token context (KP = 2048, 16-row tiles)
     extra         kernels outside the Triton verify step at V4-Flash dims: the SGLang plug-in's
                   pool_entries (C4 and C128 compressors) and indexer_gather / indexer_paged scores
 """
@@ -36,7 +38,8 @@ PRO = dict(FLASH, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, o
 @dataclass(frozen=True)
 class Verify:
     """Verify steps of trees of `n` nodes for requests of committed lengths `contexts` (one
-    request per length: bs = len(contexts)), then a greedy commit."""
+    request per length: bs = len(contexts)), then a greedy commit. Above 64 nodes the tree is a
+    chain: the rows of a prefill chunk of n rows at that context."""
 
     n: int
     contexts: tuple
@@ -63,8 +66,8 @@ SCENARIOS = {
     "flash-verify": Scenario("flash", (Verify(8, (4200,)),)),
     "flash-more": Scenario("flash", (Verify(8, (4200, 4253)), Verify(16, (4200,)), Verify(64, (4200,)),
                                      Verify(8, (65549,)))),
-    "flash-prefill": Scenario("flash", (Prefill(600, 256), Prefill(200, 64))),
-    "pro": Scenario("pro", (Verify(8, (8400,)), Verify(8, (8400, 8413)), Prefill(300, 256))),
+    "flash-prefill": Scenario("flash", (Prefill(600, 256), Prefill(200, 64), Verify(256, (2100,)), Verify(64, (2100,)))),
+    "pro": Scenario("pro", (Verify(8, (8400,)), Verify(8, (8400, 8413)), Prefill(300, 256), Verify(256, (8400,)))),
     "extra": Scenario("flash", (), extra=True),
 }
 QUICK = ("tiny", "flash-verify")  # the normal suite's gate
@@ -101,6 +104,7 @@ def _run_step(model, step) -> None:
     import torch
 
     from dsv4_tree.serving.synth import synthetic_request
+    from dsv4_tree.tree import DraftTree
     from dsv4_tree.tree.simulate import eagle_tree
 
     if isinstance(step, Prefill):
@@ -110,7 +114,8 @@ def _run_step(model, step) -> None:
         return
     eng = _engine(model, step.n, 64, sum(step.contexts))
     reqs = [synthetic_request(eng, p, seed=p) for p in step.contexts]
-    trees = [eagle_tree(5, step.n, seed=i) for i in range(len(reqs))]
+    trees = [eagle_tree(5, step.n, seed=i) if step.n <= 64 else DraftTree.chain([5] + [7] * (step.n - 1))
+             for i in range(len(reqs))]
     out = eng.verify(reqs, trees)
     eng.commit(reqs, eng.accept_greedy(reqs, trees, out), out)
     for r in reqs:
