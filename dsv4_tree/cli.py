@@ -43,7 +43,9 @@ def _spec_args(p: argparse.ArgumentParser, mask_mode: bool) -> None:
                    help="acceptance rule (SpecConfig.accept; default: the preset's, else greedy)")
     p.add_argument("--draft-depth", choices=DRAFT_DEPTHS, default=None,
                    help="draft_depth: adaptive (num_steps is a maximum; the MTP drafter stops when a step does not "
-                        "pay) or fixed (every round drafts num_steps); default adaptive for trees, fixed for chains")
+                        "pay; DSpark verifies what one batch budget buys: SGLang's confidence-scheduled chain "
+                        "length, or a tree's best nodes by value) or fixed (every round drafts num_steps); default "
+                        "adaptive for trees, fixed for chains")
     if mask_mode:
         p.add_argument("--mask-mode", choices=MASK_MODES, default=None,
                        help="layout of the SGLang-compatible tree mask (SpecConfig.mask_mode) that --tensors-out saves")
@@ -189,6 +191,7 @@ def _demo_run(model, spec, prompt, args) -> tuple:
         end_round(drafter, [req])
         t_round += time.perf_counter() - t_start  # draft + verify + accept + commit, not the check
         note_round(stats, drafter, dt_draft, dt_verify)
+        stats.round_nodes.append(tree.num_nodes)
         ref = per_path_logits(model, req.tokens[:p], tree)
         err = relative_error(out.logits[0], ref)
         worst = max(worst, err)
@@ -206,6 +209,7 @@ def _demo_run(model, spec, prompt, args) -> tuple:
     ok = worst <= REL_ERR_BOUND
     engine.release(req)
     print(f"summary: {args.rounds} verify rounds, {emitted} tokens, {emitted / args.rounds:.2f} tokens/verify, "
+          f"{stats.mean_nodes_per_round:.2f} nodes/verify, "
           f"{emitted / t_round:.1f} tokens/s (whole rounds, without the check), worst relative error vs per-path "
           f"reference {worst:.2e} (bound {REL_ERR_BOUND:.0e}): {'PASS' if ok else 'FAIL'}; verify time "
           f"{t_verify:.2f} s. (ties: rows whose indexer top-k boundary was an exact or near tie, decided by the "
@@ -226,7 +230,8 @@ def cmd_generate(args) -> int:
         return 0  # every rank generated the same tokens (dsv4_tree/ranks.py); rank 0 reports them
     st = res.stats
     print(f"generated {len(res.tokens)} tokens in {st.rounds} verifies: "
-          f"{st.mean_tokens_per_verify:.3f} tokens/verify, verify time {st.verify_seconds:.2f} s")
+          f"{st.mean_tokens_per_verify:.3f} tokens/verify, {st.mean_nodes_per_round:.2f} nodes verified per round "
+          f"(root included), verify time {st.verify_seconds:.2f} s")
     print(f"accept-length histogram: {st.histogram}")
     print(f"rounds: {describe(st)}")
     if _is_bytes(model):
@@ -234,7 +239,8 @@ def cmd_generate(args) -> int:
 
         print("text: " + repr(decode(res.tokens)))
     print(json.dumps({"tokens": res.tokens, "mean_tokens_per_verify": st.mean_tokens_per_verify,
-                      "rounds": st.rounds, "histogram": st.histogram, "draft_steps": st.draft_steps,
+                      "rounds": st.rounds, "histogram": st.histogram, "round_nodes": st.round_nodes,
+                      "mean_nodes_per_round": st.mean_nodes_per_round, "draft_steps": st.draft_steps,
                       "steps_allowed": st.steps_allowed}))
     return 0
 

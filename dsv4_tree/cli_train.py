@@ -1,5 +1,5 @@
-"""The CLI's training commands: train-tiny (the byte-level target + MTP) and train-dspark (a DSpark
-drafter against a frozen target)."""
+"""The CLI's training commands: train-tiny (the byte-level target + MTP), train-mtp (the MTP block
+again, against a frozen target) and train-dspark (a DSpark drafter against a frozen target)."""
 from __future__ import annotations
 
 import json
@@ -79,3 +79,45 @@ def add_train_commands(sub) -> None:
                         "validation) must hold a --seq-len window, checked before training")
     t.set_defaults(func=cmd_train_tiny)
     add_train_dspark(sub)
+    add_train_mtp(sub)
+
+
+def cmd_train_mtp(args) -> int:
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from .train.corpus import check_windows
+    from .train.mtp_trainer import train_mtp
+    from .train.trainer import TrainConfig
+
+    torch.set_num_threads(args.threads)
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                      warmup=args.warmup, eval_every=args.eval_every, max_files=args.max_files)
+    check_windows(cfg.max_files, cfg.seq_len)  # before the target is loaded
+    model = load_model(args.checkpoint or trained_checkpoint())
+    command = "dsv4-tree " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["train-mtp"] else None
+    hist = train_mtp(model, cfg, Path(args.out), log=lambda m: print(m, flush=True), command=command, init=args.init)
+    print(json.dumps({"out": args.out, "final_val_mtp_bpb": hist["val_mtp_bpb"][-1]}))
+    return 0
+
+
+def add_train_mtp(sub) -> None:
+    t = sub.add_parser("train-mtp", help="retrain a checkpoint's MTP block against its frozen target (default: the "
+                                         "shipped trained checkpoint) with train-tiny's recipe (CPU)")
+    t.add_argument("--out", required=True, help="directory to write the checkpoint with the new mtp.0.* block into "
+                                                "(the target's files are copied there unless it is the checkpoint)")
+    t.add_argument("--checkpoint", default=None, help="the frozen target (default: the shipped trained checkpoint)")
+    t.add_argument("--steps", type=int_at_least(1), default=2000, help="optimizer steps")
+    t.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
+    t.add_argument("--seq-len", type=int_at_least(1), default=384, help="bytes per sequence")
+    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
+                   help="peak learning rate (warmup, cosine decay); finite, > 0")
+    t.add_argument("--seed", type=seed_value, default=0, help="seed for the block's weights and the batches")
+    t.add_argument("--warmup", type=int_at_least(1), default=100, help="learning-rate warmup steps")
+    t.add_argument("--init", choices=("random", "checkpoint"), default="random",
+                   help="start from a fresh block (train-tiny's initialisation) or from the checkpoint's own block")
+    t.add_argument("--eval-every", type=int_at_least(1), default=250, help="validation interval (steps)")
+    t.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
+    t.add_argument("--max-files", type=int_at_least(1), default=None, help="use only the first N stdlib files")
+    t.set_defaults(func=cmd_train_mtp)

@@ -49,18 +49,18 @@ class Engine(EngineChecks):
         self._last: VerifyOutput | None = None  # the latest accepted verify, for commit(requests, accs)
         self.named_drafters: dict = {}  # drafter name -> drafter built for this engine (drafters/registry.py)
         self._drafters = weakref.WeakSet()  # drafters told about Engine.release
-        self.feature_layers: tuple = ()  # target layers whose input streams committed rows keep (register_drafter)
+        self.feature_layers: tuple = ()  # target layers whose output streams committed rows keep (register_drafter)
 
     # ---------------------------------------------------------------- request lifecycle
     def register_drafter(self, drafter) -> None:
         """Engine.release(req) will call drafter.release(req). A drafter naming `feature_layers`
-        (DSpark) makes prefill and commit keep those target layers' input streams for the rows
+        (DSpark) makes prefill and commit keep those target layers' output streams for the rows
         they add (Request.new_features); register it before prefill."""
         layers = tuple(getattr(drafter, "feature_layers", ()) or ())
         n = self.model.config.num_hidden_layers
-        if any(not _is_int(i) or not 0 <= i < n for i in layers) or len(set(layers)) != len(layers):
+        if any(not _is_int(i) or not 0 <= i < n for i in layers) or list(layers) != sorted(set(layers)):
             raise ConfigError(f"{type(drafter).__name__}.feature_layers {list(layers)} must be distinct target "
-                              f"layers in [0, {n})")
+                              f"layers in [0, {n}), ascending (features concatenate in layer order)")
         if layers and self.feature_layers and layers != self.feature_layers:
             raise ConfigError(f"this engine keeps the features of target layers {list(self.feature_layers)}; a "
                               f"drafter reading layers {list(layers)} needs an engine of its own")

@@ -26,7 +26,8 @@ class GenerateStats:
     round_verify_seconds: list = field(default_factory=list)
     draft_steps: list = field(default_factory=list)  # None where the drafter has no steps
     steps_allowed: int | None = None  # the drafter's num_steps (a maximum when adaptive)
-    depth: object = None  # drafters.depth.DepthState after the last round (adaptive MTP)
+    depth: object = None  # the adaptive policy's state after the last round (MTP DepthState, DSpark BudgetState)
+    round_nodes: list = field(default_factory=list)  # nodes verified per round (this request's tree, root included)
 
     @property
     def histogram(self) -> dict:
@@ -35,6 +36,10 @@ class GenerateStats:
     @property
     def mean_tokens_per_verify(self) -> float:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def mean_nodes_per_round(self) -> float:
+        return sum(self.round_nodes) / max(1, len(self.round_nodes))
 
 
 @dataclass
@@ -175,6 +180,7 @@ def _rounds(engine, req, max_new_tokens, drafter, temperature, top_p, eos_token_
         new.extend(emitted)
         stats.rounds += 1
         stats.accept_lengths.append(len(emitted))
+        stats.round_nodes.append(tree.num_nodes)
         bar.update(len(emitted))
         if stop:
             break

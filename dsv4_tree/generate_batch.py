@@ -226,11 +226,12 @@ def _round(engine, live, drafter, temperature, top_p, eos, generator, bar, hooks
     engine.commit(batch, kept, out)
     cut = [job.req.request_id for (job, _, stop), t, d in zip(emitted_all, trees, drafted) if stop or t.num_nodes < d.num_nodes]
     end_round(drafter, batch, cut)
-    for job, emitted, stop in emitted_all:
+    for (job, emitted, stop), tree in zip(emitted_all, trees):
         res = job.result
         res.tokens.extend(emitted)
         res.stats.rounds += 1
         res.stats.accept_lengths.append(len(emitted))
+        res.stats.round_nodes.append(tree.num_nodes)
         res.stats.verify_seconds += seconds
         note_round(res.stats, drafter, draft_seconds, seconds)
         bar.update(len(emitted))

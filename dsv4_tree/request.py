@@ -82,7 +82,7 @@ class Request:
     # (at most sliding_window + 1 of them by default), positions seq_len - n .. seq_len - 1:
     # what an MTP drafter extends its sliding-window cache with
     new_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc_mult, hidden]
-    # the input streams (mean over hc) of the engine's feature_layers at the last rows the latest
+    # the output streams (mean over hc) of the engine's feature_layers at the last rows the latest
     # prefill/commit added (at most sliding_window), when a registered drafter reads them (DSpark)
     new_features: torch.Tensor | None = field(default=None, repr=False)  # [n, len(feature_layers) * hidden]
     # (committed row, C4 layer) pairs whose indexer top-k boundary was a (near-)tie, counted on

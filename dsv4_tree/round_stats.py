@@ -55,13 +55,18 @@ def note_round(stats, drafter, draft_seconds: float, verify_seconds: float) -> N
 
 
 def describe(stats) -> str:
-    """One line: steps run of allowed, mean draft / verify ms per round, calibration."""
+    """One line: steps run of allowed, nodes per request-round, mean draft / verify ms per round,
+    the adaptive policy's state."""
     steps = [s for s in stats.draft_steps if s is not None]
     n = max(1, len(stats.round_draft_seconds))
     line = (f"draft {1e3 * sum(stats.round_draft_seconds) / n:.2f} ms/round, "
             f"verify {1e3 * sum(stats.round_verify_seconds) / n:.2f} ms/round")
+    if stats.round_nodes:
+        line = f"nodes {stats.mean_nodes_per_round:.2f} per request-round; " + line
     if steps:
         line = f"draft steps {sum(steps) / len(steps):.2f} of {stats.steps_allowed} per round; " + line
-    if stats.depth is not None:
+    if hasattr(stats.depth, "describe"):
+        line += "; " + stats.depth.describe()
+    elif stats.depth is not None:
         line += "; calibration by depth " + " ".join(f"{c:.2f}" for c in stats.depth.calibration)
     return line

@@ -15,7 +15,7 @@ SGLANG_PINS=(torch==2.14.1 transformers==5.19.0 tokenizers==0.23.2 sglang==0.5.2
 SGLANG_CPU_DEPS=(transformers==5.19.0 "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
   "compressed-tensors==0.18.0" "openai==2.8.0" numpy msgspec orjson psutil pybase64 requests
   packaging pillow pydantic pyzmq tqdm IPython aiohttp dill gguf einops partial-json-parser
-  uvicorn fastapi zstandard "tokenizers==0.23.2" torchvision)
+  uvicorn fastapi zstandard setproctitle "tokenizers==0.23.2" torchvision)
 _sglang_requirements="$(printf '%s\n' "${SGLANG_PINS[@]}" "${SGLANG_CPU_DEPS[@]}"; project_requirements test)"
 _build_sglang() {
   local py="$1" pins

@@ -2,9 +2,13 @@
 """One-request smoke test of the dsv4_tree SGLang plug-in on a GPU machine.
 
 Runs the same greedy request through SGLang 0.5.23 three times on a DeepSeek-V4 checkpoint:
-EAGLE topk 1 with CUDA graphs (SGLang's own chain path, the baseline), EAGLE topk K > 1 with
-CUDA graphs (the plug-in's tree path, graphed), and EAGLE topk K eagerly (`--disable-cuda-graph`),
-and checks that the generated token ids are identical. Exit status: 0 identical, 1 the outputs
+topk 1 with CUDA graphs (SGLang's own chain path, the baseline), topk K > 1 with CUDA graphs (the
+plug-in's tree path, graphed), and topk K eagerly (`--disable-cuda-graph`), and checks that the
+generated token ids are identical. `--algorithm EAGLE` (default) drafts with the checkpoint's MTP
+layer; `--algorithm DSPARK` with its DSpark block drafter (a checkpoint with `dspark_*` config
+keys): the baseline is SGLang's DSpark chain (N = gamma + 1), the tree launches the plug-in's
+DSpark tree step (`--speculative-eagle-topk K --speculative-num-draft-tokens N`, with
+SGLANG_DSPARK_FOLDED_PROPOSAL=0 and `--grammar-backend none`, which the tree requires). Exit status: 0 identical, 1 the outputs
 differ, 2 a launch or request failed (or bad arguments), 3 they differ first at a near tie: the
 baseline's two best tokens there lie within NEAR_TIE nats. All runs are exact greedy decoders, but
 in bf16 they verify through kernels of different shapes (4 rows against 8), whose roundings can
@@ -19,6 +23,7 @@ launch. The launches use the same arguments except the speculative ones and, for
 
     python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8
     python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8 --dry-run
+    python scripts/sglang_smoke.py /path/to/DeepSeek-V4-Flash --tp 8 --algorithm DSPARK
 
 `--dry-run` prints the launches (command line, environment, engine arguments) and resolves
 their server arguments through SGLang's own pipeline with the plug-in loaded, which runs the
@@ -39,6 +44,10 @@ LAUNCHES = 3
 # nats between the best two tokens below which a bf16 run's argmax may swap: bf16 keeps 8
 # significant bits, so a logit of magnitude ~10-30 carries a rounding of ~0.04-0.1 per value
 NEAR_TIE = 0.1
+ALGORITHMS = ("EAGLE", "DSPARK")
+# what the DSpark tree step needs (SGLang's defaults fold a chain proposal into the draft graph and
+# pick a grammar backend)
+DSPARK_TREE_ENV = {"SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}
 DEFAULT_PROMPT = ("Explain, step by step, how a binary search tree keeps its keys ordered, how insertion and "
                   "deletion work, and why a balanced tree answers lookups in logarithmic time.")
 
@@ -47,8 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_path", help="a DeepSeek-V4 checkpoint directory (DeepseekV4ForCausalLM)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per launch)")
-    p.add_argument("--topk", type=int, default=4, help="EAGLE topk of the tree launch (> 1)")
-    p.add_argument("--num-steps", type=int, default=3, help="--speculative-num-steps of both launches")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="EAGLE", help="the drafter: the MTP layer (EAGLE) or "
+                   "DSpark (DSPARK, the checkpoint's dspark_* block drafter)")
+    p.add_argument("--topk", type=int, default=4, help="--speculative-eagle-topk of the tree launch (> 1)")
+    p.add_argument("--num-steps", type=int, default=3, help="--speculative-num-steps of both EAGLE launches "
+                   "(DSPARK: 1, its depth is the block size)")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens of the tree launch")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -69,16 +81,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def launches(a: argparse.Namespace) -> list[dict]:
     """The three launches: name, sglang.Engine keyword arguments, environment additions."""
-    common = dict(model_path=a.model_path, tp_size=a.tp, device=a.device, speculative_algorithm="EAGLE",
-                  speculative_num_steps=a.num_steps, dsv4_attn_backend="flashmla", disable_cuda_graph=False,
-                  random_seed=0)
+    algorithm = getattr(a, "algorithm", "EAGLE")
+    common = dict(model_path=a.model_path, tp_size=a.tp, device=a.device, speculative_algorithm=algorithm,
+                  dsv4_attn_backend="flashmla", disable_cuda_graph=False, random_seed=0)
     env = {"SGLANG_PLUGINS": "dsv4_tree"}  # SGLang's plug-in whitelist: this plug-in only
-    chain = dict(common, speculative_eagle_topk=1, speculative_num_draft_tokens=a.num_steps + 1)
-    tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens)
-    return [{"name": "topk 1, CUDA graphs (SGLang's chain path)", "engine_kwargs": chain, "env": env},
-            {"name": f"topk {a.topk}, CUDA graphs (dsv4_tree tree path)", "engine_kwargs": tree, "env": env},
-            {"name": f"topk {a.topk}, eager (dsv4_tree tree path)", "engine_kwargs": dict(tree, disable_cuda_graph=True),
-             "env": env}]
+    if algorithm == "DSPARK":  # SGLang resolves one step and, for the chain, N = gamma + 1
+        chain = dict(common, speculative_eagle_topk=1)
+        tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens,
+                    grammar_backend="none")
+        tree_env = dict(env, **DSPARK_TREE_ENV)
+    else:
+        common["speculative_num_steps"] = a.num_steps
+        chain = dict(common, speculative_eagle_topk=1, speculative_num_draft_tokens=a.num_steps + 1)
+        tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens)
+        tree_env = env
+    return [{"name": f"{algorithm} topk 1, CUDA graphs (SGLang's chain path)", "engine_kwargs": chain, "env": env},
+            {"name": f"{algorithm} topk {a.topk}, CUDA graphs (dsv4_tree tree path)", "engine_kwargs": tree,
+             "env": tree_env},
+            {"name": f"{algorithm} topk {a.topk}, eager (dsv4_tree tree path)",
+             "engine_kwargs": dict(tree, disable_cuda_graph=True), "env": tree_env}]
 
 
 def sampling_params(a: argparse.Namespace) -> dict:
@@ -122,21 +143,27 @@ def resolve(launch: dict) -> dict:
     except BaseException as exc:  # what SGLang's launcher would report
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     r = args.resolved_dict()
-    keys = ("speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "page_size",
-            "attention_backend", "dsv4_attn_backend", "disable_cuda_graph")
+    keys = ("speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens",
+            "speculative_dspark_block_size", "page_size", "attention_backend", "dsv4_attn_backend",
+            "disable_cuda_graph")
     return {"ok": True, "resolved": {k: r.get(k) for k in keys}}
 
 
 def dry_run(a: argparse.Namespace) -> int:
     plan = launches(a)
-    for launch in plan:
-        os.environ.update(launch["env"])
+    os.environ.update(plan[0]["env"])
     import sglang.srt.plugins as plugins
 
     plugins.load_plugins()
     report = []
     for launch in plan:
-        res = resolve(launch)
+        saved = dict(os.environ)
+        os.environ.update(launch["env"])  # each launch resolves under its own environment
+        try:
+            res = resolve(launch)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         report.append(dict(launch, command=child_command(a, launch), sampling_params=sampling_params(a), **res))
         state = "accepted" if res["ok"] else "REFUSED: " + res["error"]
         print(f"[dry-run] {launch['name']}: {state}", file=sys.stderr)

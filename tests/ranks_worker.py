@@ -145,19 +145,16 @@ def adaptive_depth(sharded, plain, rank: int, p: list) -> dict:
 
 
 def dspark_size(sharded, plain, rank: int, p: list) -> dict:
-    """The DSpark tree size policy on ranks whose cost lines disagree: rank 1's says every node
-    costs a thousand rounds (alone it would draft the root only), rank 0's that nodes are free.
-    Rank 0 decides, so both draft rank 0's sizes and the same trees."""
+    """DSpark tree budgets on ranks whose cost tables disagree: rank 1's says every node costs a
+    thousand rounds (alone it would draft the roots only), rank 0's that nodes are free. Rank 0
+    decides, so both draft rank 0's sizes and the same trees."""
     from dsv4_tree.drafters.base import TreeShape
+    from dsv4_tree.drafters.cost_table import LineTable
     from dsv4_tree.drafters.dspark import DSparkDrafter
-    from dsv4_tree.drafters.size_policy import CostLine
 
     spec = dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=8)
-    drafter = DSparkDrafter(sharded, TreeShape.from_spec(spec), size="adaptive")
-    line = drafter.policy.costs.setdefault(1, CostLine())
-    for n in (8, 4) * 50:  # enough samples that the rounds run here do not move the line far
-        line.add(n, 1.0 + (0.0 if rank == 0 else 1e3) * n)
-    line.last_probe = line.rounds  # the run is shorter than PROBE_EVERY rounds: no probe of the far end
+    table = LineTable((1,), (1.0,), (0.0 if rank == 0 else 1e3,))
+    drafter = DSparkDrafter(sharded, TreeShape.from_spec(spec), size="adaptive", cost_table=table)
     sizes, real = [], drafter.draft
 
     def draft(engine, requests):

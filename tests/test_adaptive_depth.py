@@ -213,8 +213,11 @@ def test_expensive_draft_steps_stop_after_step_1(trained, monkeypatch):
     assert res.tokens == want
     steps = res.stats.draft_steps
     # round 1 measures (nothing known: it drafts until the exact stop or num_steps); every later
-    # round finds a step costing 100 verifies not worth its fraction of a token
-    assert steps[0] > 1 and steps[1:] == [1] * (len(steps) - 1) and stops[1:] == ["cost"] * (len(steps) - 1), steps
+    # round finds a step costing 100 verifies not worth its fraction of a token (a round right
+    # after round 1, whose slow steps inflate the time per token a step is weighed against, may
+    # still buy a second step)
+    assert steps[0] > 1 and steps[1:].count(1) >= len(steps) - 2 and max(steps[1:]) <= 2, steps
+    assert stops[1:] == ["cost"] * (len(steps) - 1), stops
     assert res.stats.depth.step_seconds == {1: pytest.approx(1.0)}
 
 

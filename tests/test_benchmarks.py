@@ -189,3 +189,25 @@ def test_bench_accept_mechanism_counts_siblings_and_continuations():
     assert spine["mismatches"] == 0 and spine["sibling_hit_rate"] is None
     miss = bench.mechanism([[(3, tree)]], [prompt], [[9, 1, 3]])  # wrong at depth 2, no sibling there
     assert (miss["mismatches"], miss["sibling_hits"]) == (1, 0)
+
+
+def test_bench_budget_small_run_checks_greedy_and_reports_nodes_and_targets(capsys, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_budget", ROOT / "benchmarks" / "bench_budget.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--bs", "1,2", "--reps", "1", "--new-tokens", "4", "--prompt-len", "48", "--tree-nodes", "8",
+                       "--corpora", "project", "--profile-rounds", "1", "--plot", str(tmp_path / "b.png")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["greedy_equal_hf"] and not out["mismatches"]
+    labels = {"dspark chain fixed", "dspark chain adaptive", "dspark tree budgeted", "dspark tree 6 nodes",
+              "mtp chain", "mtp tree"}
+    assert {(r["case"], r["accept"], r["bs"]) for r in out["records"]} == {
+        (c, a, b) for c in labels for a in ("greedy", "sampling") for b in (1, 2)}
+    for r in out["records"]:
+        assert r["request_rounds"] == sum(r["round_nodes_histogram"].values())
+        top = {"dspark chain fixed": 6, "dspark chain adaptive": 6, "mtp chain": 4, "mtp tree": 8}.get(r["case"], 8)
+        assert 1 <= r["mean_nodes_per_round"] <= top, r
+    assert {(t["accept"], t["bs"]) for t in out["targets"]} == {(a, b) for a in ("greedy", "sampling") for b in (1, 2)}
+    assert set(out["cost_tables"]) == {"1", "4"}  # the adaptive chain's and the budgeted tree's, profiled

@@ -43,8 +43,15 @@ def test_generate_prints_stats_and_json(capsys):
     from test_generate import hf_greedy
 
     assert main(["generate", "--max-new-tokens", "12", "--topk", "2", "--num-steps", "3", "--drafter", "mtp"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    data = json.loads(last)
+    out = capsys.readouterr().out
+    data = json.loads(out.strip().splitlines()[-1])
+    # nodes verified per request-round (root included): the JSON's list, its mean in the summary line
+    assert len(data["round_nodes"]) == data["rounds"] and all(1 <= n <= 8 for n in data["round_nodes"])
+    mean_nodes = sum(data["round_nodes"]) / data["rounds"]
+    assert data["mean_nodes_per_round"] == pytest.approx(mean_nodes)
+    assert f"{mean_nodes:.2f} nodes verified per round (root included)" in next(
+        line for line in out.splitlines() if line.startswith("generated "))
+    assert f"nodes {mean_nodes:.2f} per request-round" in out
     model = dt.load_model(dt.trained_checkpoint())
     ids = _prompt(model, 64, 0)  # the command's default prompt (--prompt-len 64, --seed 0)
     assert data["tokens"] == hf_greedy(model, ids, 12)  # greedy speculation: the model's own greedy tokens

@@ -136,7 +136,6 @@ def test_meta_proxy_mtp_draft_forward_stays_on_device():
     """The MTP drafter's draft-extend and a forward over draft rows (its top-k choice is host work)."""
     from dsv4_tree.drafters.mtp_cache import window_index
     from dsv4_tree.drafters.mtp_rows import draft_rows
-    from dsv4_tree.reference.mtp_extend import ref_draft_extend
 
     model = dt.load_model(dt.tiny_checkpoint())
     model.hf.set_experts_implementation("batched_mm")  # before the drafter copies the config
@@ -146,7 +145,7 @@ def test_meta_proxy_mtp_draft_forward_stays_on_device():
     engine = dt.Engine(model, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=6))
     with NoHostTensorsInDeviceOps():
         req = engine.prefill(prompt(40, 3))
-        cache = ref_draft_extend(drafter, [req])[0]
+        cache = drafter.sync([req])[0]
         dev = model.device
         lengths = torch.tensor([cache.window.shape[0]])  # host bookkeeping
         index = torch.cat([window_index(lengths, 0, 1, model.window, dev),

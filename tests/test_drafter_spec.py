@@ -53,14 +53,16 @@ def test_custom_generate_and_cli_refuse_eagle_topk_above_the_vocabulary(capsys):
 def test_a_hand_built_mtp_drafter_follows_the_engines_draft_depth(trained, monkeypatch):
     model, ids, want = trained
     # a tree engine, draft_depth unset (adaptive for trees): steps that cost 100 verifies stop
-    # after step 1 from round 2 on, as drafter="mtp" would
+    # after step 1 from round 2 on (but for a round or so), as drafter="mtp" would
     eng, clock = engine(model), Clock()
     drafter = MtpDrafter(model, PRESET, clock=clock)
     priced(monkeypatch, eng, clock, step=lambda rows: 1.0, verify=lambda b: 0.01)
     res = eng.generate(ids, 24, drafter=drafter, progress=False)
     assert res.tokens == want[:24]
     steps = res.stats.draft_steps
-    assert steps[0] > 1 and steps[1:] == [1] * (len(steps) - 1), steps
+    # (the first round's slow steps inflate the time per token the policy weighs a step against,
+    # which may buy one round a second step)
+    assert steps[0] > 1 and steps[1:].count(1) >= len(steps) - 2 and max(steps[1:]) <= 2, steps
     assert res.stats.depth is not None and res.stats.depth.rounds_observed == res.stats.rounds
     # the same drafter for an engine whose spec says fixed: every step every round, and the
     # fixed rounds leave the adaptive measurements alone

@@ -16,6 +16,7 @@ from dsv4_tree.checkpoint.files import read_tensors
 from dsv4_tree.checkpoint.mtp import load_mtp
 from dsv4_tree.checkpoint.quant import dequantize_weight
 from dsv4_tree.checkpoint.release import SCALE_SUFFIX, quantize_release, write_release
+from dsv4_tree.drafters import DSparkDrafter, TreeShape
 from dsv4_tree.checkpoint.tiny import (RELEASE_TINY_OVERRIDES, random_dspark, random_model, tiny_config,
                                        write_random_checkpoint)
 
@@ -129,6 +130,18 @@ def _edit_tensors(d, fn):
     (lambda d: _edit_config(d, dspark_markov_rank=None), "dspark_markov_rank is missing"),
     (lambda d: _edit_config(d, dspark_markov_rank=0), "dspark_markov_rank must be an int >= 1"),
     (lambda d: _edit_config(d, hidden_size=128), "hidden_size is 128, the target's is 64"),
+    # the stages' MoE top-k above their routed experts (the target's 4, or the module's own count)
+    (lambda d: _edit_config(d, dspark_num_experts_per_tok=5),
+     r"dspark_num_experts_per_tok is 5, more than the stages' 4 routed experts \(the target's n_routed_experts\); "
+     "it must be <= 4"),
+    (lambda d: _edit_config(d, dspark_target_layer_ids=[2, 1, 3]), r"\[2, 1, 3\] is not ascending"),
+    (lambda d: _edit_config(d, dspark_window_size=8), "unknown DSpark config key dspark_window_size"),
+    (lambda d: _edit_config(d, dspark_ffn_hidden_size=64), "dspark_ffn_hidden_size is not supported"),
+    (lambda d: _edit_config(d, dspark_markov_head_type="gated"), "dspark_markov_head_type is 'gated', supported: 'vanilla'"),
+    (lambda d: _edit_config(d, hc_pre_from_prev_sublayer=True), "hc_pre_from_prev_sublayer is True, supported: False"),
+    (lambda d: _edit_config(d, model_type="deepseek_v41"), "model_type is 'deepseek_v41', supported: 'deepseek_v4'"),
+    (lambda d: _edit_config(d, sample_from_anchor="yes"), "sample_from_anchor must be true or false"),
+    (lambda d: _edit_config(d, block_size=7), "block_size is 7 but dspark_block_size is 4"),
     (lambda d: _edit_tensors(d, lambda t: t.pop("mtp.2.markov_head.head.weight")),
      r"tensor mtp\.2\.markov_head\.head\.weight is missing"),
     (lambda d: _edit_tensors(d, lambda t: t.pop("mtp.1.attn.wkv.weight")), r"tensor mtp\.1\.attn\.wkv\.weight is missing"),
@@ -145,4 +158,22 @@ def test_malformed_modules_are_refused_by_name(tmp_path, edit, match):
     write_dspark(d, random_dspark(tiny_config(), SETTINGS), tiny_config())
     edit(d)
     with pytest.raises(dt.CheckpointError, match=match):
+        load_dspark(dt.load_model(d))
+
+
+def test_stage_topk_up_to_the_stage_experts_loads_and_drafts(tmp_path):
+    """The bound is the stages' own expert count: dspark_n_routed_experts 6 allows top-k 5 (above
+    the target's 4 experts), and the module drafts with it."""
+    d = _target(tmp_path)
+    settings = DSparkSettings(4, 8, 500, (1, 2, 3), n_routed_experts=6, num_experts_per_tok=5)
+    write_dspark(d, random_dspark(tiny_config(), settings), tiny_config())
+    model = dt.load_model(d)
+    module = load_dspark(model)
+    assert module.settings.num_experts_per_tok == 5
+    eng = dt.Engine(model, dt.SpecConfig(eagle_topk=1, num_steps=4, num_draft_tokens=5))
+    res = eng.generate(torch.arange(3, 12), 6, drafter=DSparkDrafter(model, TreeShape(1, 4, 5), module), progress=False)
+    assert len(res.tokens) == 6
+    _edit_config(d, dspark_num_experts_per_tok=7)
+    with pytest.raises(dt.CheckpointError, match=r"dspark_num_experts_per_tok is 7, more than the stages' 6 routed "
+                       r"experts \(dspark_n_routed_experts\)"):
         load_dspark(dt.load_model(d))

@@ -8,6 +8,8 @@ reference at absolute 1e-5 (committed state vs Hugging Face's, tolerances.md).""
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
+
 import torch
 
 import dsv4_tree as dt
@@ -76,6 +78,44 @@ def test_engine_keeps_the_target_features_of_committed_rows(model):
     want = ref_target_features(model, req.tokens, (0, 3))
     assert req.new_features.shape == (model.window, 2 * model.config.hidden_size)
     torch.testing.assert_close(req.new_features, want[-model.window:], rtol=0, atol=1e-5)
+
+
+def _hf_streams(model, tokens):
+    """transformers' output_hidden_states over the committed tokens: [layers + 1] of [P, hc, d];
+    entry i + 1 is layer i's output, entry i its input."""
+    ids = torch.as_tensor(tokens, dtype=torch.int64).unsqueeze(0)
+    with torch.no_grad():
+        states = model.hf(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+    return [s[0] for s in states]
+
+
+def test_features_and_drafts_read_the_outputs_of_layers_0_and_2_as_transformers_gives_them(model):
+    """Target layers (0, 2) of 4: not contiguous, not the last. The engine's captured features are
+    transformers' hidden_states[1] and [3] (the two layers' outputs, mean over hc), and the drafts,
+    over two rounds, equal the reference block built from exactly those; the inputs
+    (hidden_states[0] and [2]) give other drafts, so this fails on either choice."""
+    module = _module(model, layers=(0, 2))
+    eng = _engine(model)
+    drafter = _drafter(model, module)
+    eng.register_drafter(drafter)
+    req = eng.prefill(_prompt(21, 7))
+    for rnd in range(2):
+        states = _hf_streams(model, req.tokens)
+        outputs = torch.cat([states[1].mean(1), states[3].mean(1)], -1)
+        inputs = torch.cat([states[0].mean(1), states[2].mean(1)], -1)
+        n = req.new_features.shape[0]
+        torch.testing.assert_close(req.new_features, outputs[-n:], rtol=0, atol=1e-5)
+        tree = drafter.draft(eng, [req])[0]
+        rec = drafter.records[req.request_id]
+        base, hidden = ref_dspark_block(model, module, outputs, req.root_token)
+        logits, conf = ref_dspark_chain(module, base, hidden, rec.tokens[:-1])
+        assert relative_error(rec.base, base) < 1e-4 and relative_error(rec.logits, logits) < 1e-4, rnd
+        assert (rec.confidence - conf).abs().max() < 1e-5, rnd
+        assert torch.equal(tree.tokens[1:], logits.argmax(-1)), rnd
+        other, _ = ref_dspark_block(model, module, inputs, req.root_token)
+        assert relative_error(rec.base, other) > 1e-2, f"{rnd}: the layers' inputs draft the same"
+        out = eng.verify([req], [tree])
+        eng.commit([req], eng.accept_greedy([req], [tree], out), out)
 
 
 @pytest.mark.parametrize("lengths", [[5, 40], [3, 28]])
@@ -225,6 +265,15 @@ def test_custom_generate_drafts_with_the_shipped_dspark_by_default():
     tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
                        dsv4_drafter="mtp", dsv4_eagle_topk=4, dsv4_num_steps=2, dsv4_num_draft_tokens=8)
     assert torch.equal(tree, want)
+    # a tree shape with DSpark drafts its Markov tree (docs/custom-generate.md says so)
+    dspark_tree = hf.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=dt.custom_generate,
+                              dsv4_eagle_topk=4)
+    assert torch.equal(dspark_tree, want)
+    engines = hf.__dict__["_dsv4_tree_engines"]
+    trees = [e for k, e in engines.items() if (k[0].eagle_topk, k[0].num_steps) == (4, 5)]
+    assert len(trees) == 1 and type(trees[0].named_drafters["dspark"]).__name__ == "DSparkDrafter"
+    doc = (Path(__file__).parents[1] / "docs" / "custom-generate.md").read_text()
+    assert "a tree shape with it is refused" not in doc and "Markov tree" in doc
 
 
 def test_sampled_drafts_carry_the_reference_distributions_along_their_tokens(model):

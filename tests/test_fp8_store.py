@@ -74,6 +74,24 @@ def test_fp8_store_checks_its_arguments():
         kernels.fp8_store(KVPool(8, 32, 8, "auto", 4, "cpu", torch.float32), slots, rows)
 
 
+def test_triton_engine_stores_its_fp8_records_through_the_kernel():
+    """The wiring the slow test below checks end to end: a Triton engine's FP8 pools (SWA and
+    compressed entries) write through the kernel, a torch engine's through the torch writer."""
+    from cases import small_model
+
+    model = small_model()
+    for backend, kernel in (("triton", True), ("torch", False)):
+        eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=8, num_draft_tokens=16, page_size=16,
+                                             kv_cache_dtype="fp8_e4m3", attention_backend=backend))
+        pools = [pool for lp in eng.runtime.pools for pool in (lp.swa, *(c.entries for c in lp.compressors))]
+        kv_pools = [pool for pool in pools if pool.record is not None]
+        assert len({p.kind for p in kv_pools}) == 2, backend
+        assert all((pool._store is not None) == kernel for pool in kv_pools), backend
+
+
+# slow (nightly, docs/testing.md): every pool byte of an interpreted Triton engine against the torch writer's; the
+# kernel's bytes against the torch writer's and the engine's wiring stay in every run (above)
+@pytest.mark.slow
 def test_triton_engine_writes_its_fp8_pools_through_the_kernel_bitwise_as_the_torch_writer():
     """The same triton engine twice, one with the torch writer put back: every pool byte and
     every logit after a prefill and a verify (C4 and C128 blocks close) is the same."""

@@ -18,6 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# slow (nightly, docs/testing.md): the GPU script rehearsed end to end through the interpreter; its wrapper, report
+# and step selection are tested below, each benchmark it runs in tests/test_benchmarks.py
+@pytest.mark.slow
 def test_gpu_check_dry_run_writes_the_report(tmp_path):
     # as from a shell: not the TRITON_INTERPRET=1 this suite's conftest sets for itself
     env = {k: v for k, v in os.environ.items() if k not in ("DSV4_TREE_GPU", "TRITON_INTERPRET")}

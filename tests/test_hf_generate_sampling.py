@@ -4,6 +4,7 @@ import torch
 
 import dsv4_tree as dt
 import dsv4_tree.hf_generate.target as target
+from dsv4_tree.drafters.base import default_tree_nodes
 from dsv4_tree.train.corpus import heldout_prompt
 from test_hf_generate import hf_model
 from test_sampling import chi2_sf
@@ -59,3 +60,23 @@ def test_first_two_tokens_follow_the_model_joint(monkeypatch):
     assert p_value > 1e-3, f"{p_value=} {stat=} counts={counts} expected={[round(e, 1) for e in exp.tolist()]}"
     # the second token came from an accepted draft node in most rows: the tree path is tested
     assert sum(a >= 1 for a in accepted) > 0.5 * len(accepted), f"drafts accepted: {sum(accepted)}"
+
+
+def test_a_seeded_sampled_run_drafts_fixed_trees_and_repeats():
+    """An adaptive tree's shape follows measured times, and with it which draws speculation makes:
+    a sampled custom_generate drafts fixed trees (MTP and DSpark trees), so torch.manual_seed fixes
+    its tokens; greedy keeps the adaptive default (its tokens never depend on the tree)."""
+    model = hf_model("trained")
+    ids = torch.tensor([heldout_prompt(60, 5)])
+    for keys in ({"dsv4_drafter": "mtp"}, {"dsv4_eagle_topk": 4}):
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            runs.append(model.generate(ids, max_new_tokens=24, do_sample=True, temperature=1.5,
+                                       custom_generate=dt.custom_generate, **keys))
+        assert torch.equal(runs[0], runs[1]), keys
+        model.generate(ids, max_new_tokens=4, do_sample=False, custom_generate=dt.custom_generate, **keys)
+    specs = [key[0] for key in model.__dict__["_dsv4_tree_engines"]]
+    sampled = {(s.eagle_topk, s.num_steps, s.num_draft_tokens, s.depth_mode) for s in specs if s.draft_depth == "fixed"}
+    assert sampled == {(4, 2, 8, "fixed"), (4, 5, default_tree_nodes(4, 5), "fixed")}, specs
+    assert {(s.eagle_topk, s.depth_mode) for s in specs if s.draft_depth is None} == {(4, "adaptive")}

@@ -106,6 +106,9 @@ def test_fp32_attention_and_indexer_kernels_are_exact_on_tf32_hardware(tf32_hard
         assert tf32_hardware["ieee"] > 0 and tf32_hardware["other"] == 0, tf32_hardware
 
 
+# slow (nightly, docs/testing.md): the whole model on emulated TF32 hardware; every attention and indexer kernel on
+# it stays in every run (test_fp32_attention_and_indexer_kernels_are_exact_on_tf32_hardware)
+@pytest.mark.slow
 def test_whole_model_triton_backend_exact_on_tf32_hardware(tf32_hardware, device):
     model = small_model(device=device.type)
     eng = dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=6, num_draft_tokens=12, attention_backend="triton"))

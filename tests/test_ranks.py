@@ -113,7 +113,7 @@ def test_adaptive_depth_is_rank_0s_choice(ranks):
 
 
 def test_dspark_tree_size_is_rank_0s_choice(ranks):
-    """Rank 1's cost line would cut every tree to its root; both ranks draft rank 0's full trees,
+    """Rank 1's cost table would cut every tree to its root; both ranks draft rank 0's full trees,
     and greedy output equals the unsharded model's."""
     r0, r1 = ranks[0]["tp"], ranks[1]["tp"]
     assert r0["dspark_sizes"] == r1["dspark_sizes"] and min(r0["dspark_sizes"]) == 8

@@ -28,7 +28,7 @@ def test_train_dspark_writes_a_loadable_reproducible_module(tmp_path):
     assert meta["train_config"]["seed"] == 0 and len(meta["file_list_sha256"]) == 64
     assert len(meta["history"]["val_loss"]) == 2 and (sub / "loss_curve.png").stat().st_size > 0
     module = load_dspark(dt.load_model(target))
-    assert module.block_size == 5 and module.settings.target_layer_ids == (1, 2, 3)
+    assert module.block_size == 5 and module.settings.target_layer_ids == (0, 1, 2)
     again = tmp_path / "again"
     assert _run(again) == 0
     a, b = load_file(str(sub / "model.safetensors")), load_file(str(again / "dspark" / "model.safetensors"))

@@ -47,6 +47,35 @@ def test_training_script_runs_and_loss_decreases(tmp_path):
     assert load_mtp(model) is not None
 
 
+def test_train_mtp_retrains_the_block_alone_and_says_so(tmp_path):
+    """train-mtp against the frozen shipped target: the MTP loss drops, the written checkpoint has
+    new mtp.0.* tensors and every other tensor byte for byte, training.json and the card record
+    the run, and the block loads and drafts exactly (greedy equal to plain greedy)."""
+    from safetensors.torch import load_file
+
+    from dsv4_tree.train.mtp_trainer import train_mtp
+
+    src = dt.trained_checkpoint()
+    model = dt.load_model(src)
+    before = [p.detach().clone() for p in model.hf.parameters()]
+    cfg = TrainConfig(steps=8, batch=2, seq_len=130, lr=3e-3, warmup=2, eval_every=2, eval_batches=1, max_files=4)
+    hist = train_mtp(model, cfg, tmp_path / "ck", log=lambda m: None, command="dsv4-tree train-mtp ...")
+    assert hist["val_mtp_bpb"][-1] < hist["val_mtp_bpb"][0] - 0.5, hist["val_mtp_bpb"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.hf.parameters())), "the target must stay frozen"
+    old, new = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "ck" / "model.safetensors"))
+    assert old.keys() == new.keys()
+    assert all(torch.equal(old[k], new[k]) for k in old if not k.startswith("mtp."))
+    assert not torch.equal(old["mtp.0.e_proj.weight"], new["mtp.0.e_proj.weight"])
+    meta = json.loads((tmp_path / "ck" / "training.json").read_text())
+    assert meta["mtp_retrain"]["train_config"]["steps"] == 8 and meta["final_val_bpb"] == json.loads(
+        (src / "training.json").read_text())["final_val_bpb"]
+    assert "## MTP block (retrained)" in (tmp_path / "ck" / "README.md").read_text()
+    retrained = dt.load_model(tmp_path / "ck")
+    ids = torch.tensor(heldout_prompt(40, 3))
+    eng = dt.Engine(retrained, dt.SpecConfig(eagle_topk=2, num_steps=2, num_draft_tokens=4))
+    assert eng.generate(ids, 8, drafter="mtp", progress=False).tokens == hf_greedy(retrained, ids, 8)
+
+
 def test_oracle_with_tie_rule_matches_where_ties_occur():
     """The trained model (4 index heads) has exact ReLU-zero ties at the top-k boundary in
     its committed rows; with the documented tie rule on both sides every node matches."""

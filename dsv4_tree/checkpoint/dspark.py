@@ -6,20 +6,25 @@ DSpark drafts `block_size` (gamma) tokens in one pass of a small backbone:
   mHC, sliding-window MQA with sink and no compressor, routed MoE (the MTP layer's config,
   `draft_weights.draft_layer_config`). Stage 0's input streams are the block's embeddings repeated hc_mult times.
 * **Context ("KV injection").** For every committed position p the target's residual streams
-  at the *input* of each target layer, averaged over the hc streams and concatenated
-  ([L * hidden]), go through `main_proj` and `main_norm`; each stage's own `kv_proj`,
-  `kv_norm` and RoPE at p then give that stage's context K=V row. A request keeps the last
-  `sliding_window` of them.
+  at the *output* of each target layer, averaged over the hc streams and concatenated in
+  ascending layer order ([L * hidden]; SGLang's DeepSeek-V4 layer loop, design_notes/dspark.md),
+  go through `main_proj` and `main_norm`; each stage's own `kv_proj`, `kv_norm` and RoPE at p
+  then give that stage's context K=V row. A request keeps the last `sliding_window` of them.
 * **Block.** Rows `[anchor, noise x (gamma - 1)]` at positions P .. P + gamma - 1 (the anchor is
   the pending token at P). Every block row attends to its request's context window and to all
-  gamma block rows (not causal inside the block); row k - 1 predicts the token at P + k.
-  After the last stage: `hc_head`, then `norm` and the target's LM head give base logits U_k.
+  block rows (not causal inside the block); row k - 1 predicts the token at P + k. With
+  `sample_from_anchor` false the block is `[anchor, noise x gamma]` (gamma + 1 rows) and row k
+  predicts P + k. After the last stage: `hc_head`, then `norm` and the target's LM head give
+  base logits U_k.
 * **Markov head.** p_k(v | x_{k-1}) = softmax(U_k + W2 W1[x_{k-1}])_v, x_0 = the anchor,
   applied left to right (W1 = `markov_embed` [V, r], W2 = `markov_head` [V, r]).
-* **Confidence head.** c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]), h_k the hc-collapsed output
-  before `norm`: the chance that the depth-k draft survives given its parent was accepted.
+* **Confidence head.** c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] / T_k), h_k the hc-collapsed output
+  before `norm` (w . h_k alone with `confidence_head_with_markov` false), T_k the per-depth STS
+  temperature (1 unless the drafter is given SGLang's STS file): the chance that the depth-k
+  draft survives given its parent was accepted.
 
-The checkpoint layout (DeepSeek's release names under `mtp.<s>.`) is in dspark_names.py."""
+The checkpoint layout (DeepSeek's release names under `mtp.<s>.`) is in dspark_names.py; the
+config keys honoured or refused besides the four core ones in dspark_keys.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..hf_bindings import DeepseekV4Config
 from .draft_weights import DSPARK_KEYS, draft_layer_config
+from .dspark_keys import check_keys
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperHead,
@@ -48,9 +54,16 @@ class DSparkSettings:
     block_size: int  # gamma: block rows and drafts per round
     markov_rank: int  # r
     noise_token_id: int  # the mask token of block rows 1 .. gamma - 1
-    target_layer_ids: tuple  # target layers whose input streams feed the context; one stage each
+    target_layer_ids: tuple  # target layers (ascending) whose output streams feed the context; one stage each
     n_routed_experts: int | None = None  # stage MoE width, when it differs from the target's
     num_experts_per_tok: int | None = None
+    sample_from_anchor: bool = True  # False: a gamma + 1 row block, drafts from rows 1..gamma
+    confidence_with_markov: bool = True  # False: the confidence head reads h_k alone
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of one draft block: gamma, or gamma + 1 without sample_from_anchor."""
+        return self.block_size + (0 if self.sample_from_anchor else 1)
 
     @property
     def num_stages(self) -> int:
@@ -79,13 +92,23 @@ class DSparkSettings:
                                       f"(0 .. {target.num_hidden_layers - 1})")
         if len(set(layers)) != len(layers):
             raise CheckpointError(f"{where}: dspark_target_layer_ids {list(layers)} repeats a layer")
-        extra = {}
+        if list(layers) != sorted(layers):
+            raise CheckpointError(f"{where}: dspark_target_layer_ids {list(layers)} is not ascending (SGLang "
+                                  "concatenates the layers' features in layer order: list them in that order)")
+        extra = check_keys(cfg, where)
         for key, field in (("dspark_n_routed_experts", "n_routed_experts"),
                            ("dspark_num_experts_per_tok", "num_experts_per_tok")):
             if cfg.get(key) is not None:
                 if not _is_int(cfg[key]) or cfg[key] < 1:
                     raise CheckpointError(f"{where}: {key} must be an int >= 1, got {cfg[key]!r}")
                 extra[field] = cfg[key]
+        experts = extra.get("n_routed_experts", target.n_routed_experts)
+        top = extra.get("num_experts_per_tok", target.num_experts_per_tok)
+        if top > experts:
+            key = "dspark_num_experts_per_tok" if "num_experts_per_tok" in extra else "the target's num_experts_per_tok"
+            src = "dspark_n_routed_experts" if "n_routed_experts" in extra else "the target's n_routed_experts"
+            raise CheckpointError(f"{where}: {key} is {top}, more than the stages' {experts} routed experts ({src}); "
+                                  f"it must be <= {experts}")
         return cls(gamma, rank, noise, tuple(layers), **extra)
 
     def to_config(self) -> dict:
@@ -95,6 +118,10 @@ class DSparkSettings:
             out["dspark_n_routed_experts"] = self.n_routed_experts
         if self.num_experts_per_tok is not None:
             out["dspark_num_experts_per_tok"] = self.num_experts_per_tok
+        if not self.sample_from_anchor:
+            out["sample_from_anchor"] = False
+        if not self.confidence_with_markov:
+            out["confidence_head_with_markov"] = False
         return out
 
 
@@ -124,7 +151,7 @@ class DSparkModule(nn.Module):
         self.norm = DeepseekV4RMSNorm(d, eps=eps)
         self.markov_embed = nn.Embedding(v, r)  # W1
         self.markov_head = nn.Linear(r, v, bias=False)  # W2
-        self.confidence = nn.Linear(d + r, 1, bias=False)
+        self.confidence = nn.Linear(d + (r if settings.confidence_with_markov else 0), 1, bias=False)
 
     @property
     def block_size(self) -> int:
@@ -134,7 +161,9 @@ class DSparkModule(nn.Module):
         """prev [...] token ids -> W2 W1[prev] [..., vocab]."""
         return self.markov_head(self.markov_embed(prev))
 
-    def confidence_of(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """h [..., hidden] (hc-collapsed, before norm), prev [...] -> c in (0, 1) [...]."""
-        x = torch.cat([h, self.markov_embed(prev).to(h.dtype)], -1)
-        return torch.sigmoid(self.confidence(x).squeeze(-1).float())
+    def confidence_of(self, h: torch.Tensor, prev: torch.Tensor, temperature=None) -> torch.Tensor:
+        """h [..., hidden] (hc-collapsed, before norm), prev [...] -> c in (0, 1) [...];
+        temperature: the STS temperature(s) dividing the raw logit (None: 1), broadcast to [...]."""
+        x = torch.cat([h, self.markov_embed(prev).to(h.dtype)], -1) if self.settings.confidence_with_markov else h
+        raw = self.confidence(x).squeeze(-1).float()
+        return torch.sigmoid(raw if temperature is None else raw / temperature)

@@ -28,9 +28,13 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")  # `x.weight_scale_inv`; some releases
 def read_config(path: Path) -> dict:
     cfg_file = Path(path) / "config.json"
     try:
-        return json.loads(cfg_file.read_text())
+        cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{cfg_file}: cannot read it as JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: a config.json holds a JSON object, got {type(cfg).__name__} "
+                              f"({json.dumps(cfg)[:40]})")
+    return cfg
 
 
 def quantization(path: Path) -> dict | None:

@@ -4,7 +4,8 @@ One decoder layer with compress ratio 0 (sliding window only) and its own routed
 enorm / hnorm / e_proj / h_proj and its own hyper-connection head; it shares the main
 model's embedding and LM head. Input of the row at position p: e_proj(enorm(embed(x_p)))
 broadcast over the hc_mult streams plus h_proj(hnorm(h)), where h is the main model's
-residual streams (before hc_head) at position p-1 -- zeros at p = 0 -- or, for deeper draft
+residual streams (before hc_head) at position p-1 (p >= 1: no row pairs x_0 with anything, as in
+SGLang's draft-extend) or, for deeper draft
 rows, the MTP's own output streams of the parent row.
 
 Transformers drops `mtp.*` tensors on load; we read them from the checkpoint's safetensors

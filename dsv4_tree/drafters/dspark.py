@@ -10,12 +10,19 @@ tokens were drawn from (`DraftTree.draft_probs`) so verify's rejection sampling 
 
 eagle_topk = K > 1 drafts a Markov tree from the same backbone pass (drafters/dspark_tree.py):
 num_steps <= gamma, each frontier node's top-K children from its own Markov-biased
-distribution, the best num_draft_tokens - 1 candidates by path probability, or, with the size
-policy (size="adaptive", or size=None under SpecConfig.draft_depth "adaptive", the default for
-trees), the count the policy chooses from values and measured round costs
-(drafters/size_policy.py), best by value. Tree drafts are deterministic (top-K, no draws),
-greedy or sampled: verify's tree rejection sampling is exact for any tree fixed before its draws.
-Per-request state (`contexts`) lives until `release(req)`."""
+distribution, the best num_draft_tokens - 1 candidates by path probability. Tree drafts are
+deterministic (top-K, no draws), greedy or sampled: verify's tree rejection sampling is exact
+for any tree fixed before its draws.
+
+size="adaptive" (or size=None under SpecConfig.draft_depth "adaptive": the default for trees,
+asked for explicitly on a chain) verifies what one budget for the whole batch buys
+(drafters/budget_policy.py, design_notes/verify-budget.md): a chain is cut to SGLang's
+confidence-scheduled length, a tree is the batch's best nodes by value, at most
+num_draft_tokens per request, the budget chosen against a cost table (cost_table=, e.g. from
+profile_costs) or lines learnt from the drafter's own rounds.
+Per-request state (`contexts`) lives until `release(req)`. A request with nothing committed
+(seq_len 0) gets its root alone, as SGLang drafts only after a prefill has run the target once.
+`confidence_sts` applies SGLang's per-position STS temperatures to the confidence head."""
 from __future__ import annotations
 
 import time
@@ -26,19 +33,22 @@ import torch
 
 from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
+from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
-from ..ranks import agree_choice
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from ..verify.sampling import target_probs
 from .base import TreeShape
+from .budget_policy import BudgetPolicy
+from .cost_table import load_cost_table
+from .dspark_budget import adaptive_chains, budget_trees
 from .dspark_cache import DSparkContext, bring_up
-from .depth import _depths_of, candidate_depths
+from .depth import candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
-from .size_policy import SizePolicy
+from .value_events import ValueLearner
 
 
 @dataclass
@@ -48,7 +58,7 @@ class DSparkRecord:
     base: torch.Tensor  # [gamma, vocab] U_k
     hidden: torch.Tensor  # [gamma, hidden]
     logits: torch.Tensor  # [gamma, vocab] fp32, Markov-biased, along the drafted tokens
-    confidence: torch.Tensor  # [gamma] (the chain does not use it: computed for records only)
+    confidence: torch.Tensor  # [gamma] (what an adaptive chain's length is scheduled from)
     tokens: torch.Tensor  # [gamma + 1] anchor, then the drafts
 
 
@@ -111,10 +121,16 @@ class DSparkDrafter:
     """drafter="dspark": the checkpoint's DSpark module (module= to pass one built by hand)."""
 
     def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False,
-                 size: str | None = None, branching: str = "markov", clock=time.perf_counter):
-        """size (trees): None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees
-        by default) | "fixed" (num_draft_tokens nodes) | "adaptive" (the size policy); branching:
-        "markov" | "base" (the DDTree-style baseline, for measurements); clock: the policy's timer."""
+                 size: str | None = None, branching: str = "markov", clock=time.perf_counter,
+                 cost_table=None, values=None, confidence_sts=None):
+        """size: None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees by
+        default, fixed for chains) | "fixed" (the chain; num_draft_tokens tree nodes) | "adaptive"
+        (the batch's verify budget); branching: "markov" | "base" (the DDTree-style baseline, for
+        measurements); clock: the budget policy's timer; cost_table: a cost table or its JSON
+        path (drafters/cost_table.py; None: learnt online); values: a fitted node-value model
+        (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
+        confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
+        or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
         check_module(model, self.module)
@@ -131,17 +147,22 @@ class DSparkDrafter:
         self.size = size
         self.branching = branching
         self.clock = clock
-        # trees only; made on the first adaptive draft (at once for size="adaptive"), kept across rounds
-        self.policy: SizePolicy | None = (SizePolicy(shape.num_steps, shape.num_draft_tokens, clock)
-                                          if size == "adaptive" and shape.topk > 1 else None)
+        self.policy: BudgetPolicy | None = None  # made on the first adaptive draft (at once for size="adaptive")
+        self.set_cost_table(cost_table)
+        if size == "adaptive":
+            self.policy = self._new_policy()
+        self.values = ValueLearner(values, learn=False) if values is not None else ValueLearner()
         self._measuring = False  # the last draft chose its size: end_round reports to the policy
         self.contexts: dict = {}  # request_id -> DSparkContext
         self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)
         self.sampling = None  # (temperature, top_p, generator) for sampling runs; None = greedy
+        # per-depth STS temperatures of the confidence head [gamma] (None: 1)
+        self.temperatures = (None if confidence_sts is None else
+                             torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
 
     @property
     def feature_layers(self) -> tuple:
-        """Target layers whose input streams the engine must keep for committed rows."""
+        """Target layers (ascending) whose output streams the engine must keep for committed rows."""
         return self.module.settings.target_layer_ids
 
     def set_sampling(self, temperature: float | None, top_p: float = 1.0, generator=None) -> None:
@@ -154,12 +175,31 @@ class DSparkDrafter:
     def release_id(self, request_id: int) -> None:
         self.contexts.pop(request_id, None)
         self.records.pop(request_id, None)
+        if self.policy is not None:
+            self.policy.forget(request_id)
+
+    def set_cost_table(self, table) -> None:
+        """The adaptive budget's price list from now on: a cost table (drafters/cost_table.py, e.g.
+        profile_costs' LineTable), the path of its JSON, or None (lines learnt from the rounds)."""
+        if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
+            table = load_cost_table(table)
+        if table is not None and not callable(getattr(table, "theta", None)):
+            raise ConfigError(f"cost_table must be a cost table (drafters/cost_table.py), a path to one or None, "
+                              f"got {type(table).__name__}")
+        self.cost_table = table
+        if self.policy is not None:
+            self.policy.table = table
+
+    def _new_policy(self) -> BudgetPolicy:
+        return BudgetPolicy(self.shape.num_draft_tokens - 1, self.cost_table, clock=self.clock)
 
     def end_round(self, requests, cut=()) -> None:
-        """A chain has nothing to learn (its depth is its block size); a sized tree's policy times
-        the round and calibrates its values."""
+        """A fixed draft has nothing to learn; an adaptive one's policy times the round, and a
+        budgeted tree's value model records what verify accepted."""
         if self._measuring and self.policy is not None:
             self.policy.end_round(requests, cut)
+            if self.shape.topk > 1:
+                self.values.end_round(requests)
 
     def _contexts(self, requests) -> list:
         for req in requests:
@@ -185,10 +225,13 @@ class DSparkDrafter:
                               f"{TreeShape.from_spec(engine.spec)} (build the drafter for the engine's spec)")
         if not isinstance(requests, (list, tuple)) or not requests:
             raise InputError(f"requests must be a non-empty list of Requests, got {requests!r}")
-        size = depth_for(self.size, engine.spec, "DSparkDrafter(size") if self.shape.topk > 1 else None
-        if size == "adaptive":  # the policy times whole rounds: from here to end_round
+        if any(r.seq_len == 0 for r in requests):  # no target run yet: no context to draft from
+            return self._without_fresh(engine, requests)
+        size = depth_for(self.size, engine.spec, "DSparkDrafter(size")
+        self._measuring = size == "adaptive"
+        if self._measuring:  # the policy times whole rounds: from here to end_round
             if self.policy is None:
-                self.policy = SizePolicy(self.shape.num_steps, self.shape.num_draft_tokens, self.clock)
+                self.policy = self._new_policy()
             self.policy.begin()
         contexts = self._contexts(requests)
         staged = [DSparkContext(c.tables, c.seq_len) for c in contexts]  # kept only if the draft succeeds
@@ -199,15 +242,15 @@ class DSparkDrafter:
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
-                         block_index(lengths, module.block_size).to(dev))
-        if size is not None:
+                         block_index(lengths, module.settings.block_rows).to(dev))
+        if self.shape.topk > 1:
             trees = self._tree(requests, blk, anchors, size)
             self._keep(requests, staged)
             return trees
         tokens, logits, probs = self._walk(blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
-        conf = confidences(module, blk.hidden, tokens[:, :-1]) if self.record else None
+        conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
         with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
             host = tokens.cpu()
             q = None if probs is None else probs.cpu()
@@ -218,7 +261,19 @@ class DSparkDrafter:
                 for b, req in enumerate(requests):
                     self.records[req.request_id] = DSparkRecord(blk.base[b].clone(), blk.hidden[b].clone(),
                                                                 logits[b].clone(), conf[b].clone(), host[b].clone())
+            if self._measuring:  # SGLang's confidence-scheduled lengths (budget_policy.chain)
+                trees = adaptive_chains(self.policy, model, requests, trees, conf.cpu())
         return trees
+
+    def _without_fresh(self, engine, requests) -> list:
+        """Requests at seq_len 0 get their root alone (SGLang's first draft follows the prefill's
+        target pass); the others are drafted together."""
+        rest = [r for r in requests if r.seq_len > 0]
+        drafted = iter(self.draft(engine, rest) if rest else ())
+        if not rest:
+            self._measuring = False
+        with torch.inference_mode(False):
+            return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
     def _walk(self, blk, anchors: torch.Tensor):
         """The Markov head left to right. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32,
@@ -238,41 +293,37 @@ class DSparkDrafter:
         return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(probs, 1) if probs else None
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
-        """The Markov tree of every request (module docstring), its size fixed or the policy's."""
+        """The Markov tree of every request (module docstring): fixed size, or the batch budget's."""
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
-        policy = self.policy
-        self._measuring = size == "adaptive"
-        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record)
-        cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
-        scores, tokens, parents, values = (cpu(x) for x in (exp.score_list, exp.token_list, exp.parents_list,
-                                                          exp.value_list))
-        b = len(requests)
-        pool = torch.cat([x.reshape(b, -1) for x in values], 1)  # [B, P]
-        if self._measuring:
-            depths = _depths_of(pool.shape[1], k)
-            nodes = agree_choice(self.model, policy.choose(pool.double().numpy(), depths))  # rank 0 decides
-            org = organize_draft_results(values, tokens, parents, nodes)
-            policy.drafted(requests, nodes, pool.gather(1, org.top_scores_index).numpy(),
-                           candidate_depths(org.top_scores_index, k).numpy())
+        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
+                            temperatures=self.temperatures)
+        if size == "adaptive":
+            trees, chosen = budget_trees(self.policy, self.values, self.model, requests, exp, anchors, k)
         else:
-            org = organize_draft_results(scores, tokens, parents, min(n, pool.shape[1] + 1))
-        local = local_parents(org.parent_list, org.top_scores_index, k)
-        ids = torch.cat([anchors.cpu().unsqueeze(1), org.draft_tokens], 1)
-        with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
-            trees = [DraftTree(ids[i].clone(), local[i].clone()) for i in range(b)]
-            if self.record:
-                self._record_tree(requests, trees, blk, exp, org.top_scores_index, k)
+            scores, tokens, parents = ([x.cpu() for x in xs] for xs in (exp.score_list, exp.token_list,
+                                                                        exp.parents_list))
+            pool = sum(x[0].numel() for x in scores)
+            org = organize_draft_results(scores, tokens, parents, min(n, pool + 1))
+            local = local_parents(org.parent_list, org.top_scores_index, k)
+            ids = torch.cat([anchors.cpu().unsqueeze(1), org.draft_tokens], 1)
+            with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
+                trees = [DraftTree(ids[i].clone(), local[i].clone()) for i in range(len(requests))]
+            chosen = list(org.top_scores_index)
+        if self.record:
+            with torch.inference_mode(False):
+                self._record_tree(requests, trees, blk, exp, chosen, k)
         return trees
 
-    def _record_tree(self, requests, trees, blk, exp: MarkovExpansion, chosen: torch.Tensor, k: int) -> None:
-        """Each node's distribution, read from the expansion's own rows (candidate id -> its parent's row)."""
-        depth = candidate_depths(chosen, k)  # [B, N - 1] 1-based
-        front = torch.where(depth == 1, 0, (chosen - k - (depth - 2) * k * k) // k)
+    def _record_tree(self, requests, trees, blk, exp: MarkovExpansion, chosen: list, k: int) -> None:
+        """Each node's distribution, read from the expansion's own rows (candidate id -> its parent's
+        row); chosen: each tree's candidate ids [n - 1], in node order."""
         for i, req in enumerate(requests):
+            depth = candidate_depths(chosen[i], k)  # [n - 1] 1-based
+            front = torch.where(depth == 1, 0, (chosen[i] - k - (depth - 2) * k * k) // k)
             rows = [exp.logit_list[0][i].cpu() if d == 1 else exp.logit_list[d - 1][i, f].cpu()
-                    for d, f in zip(depth[i].tolist(), front[i].tolist())]
+                    for d, f in zip(depth.tolist(), front.tolist())]
             conf = [exp.confidence_list[0][i].cpu() if d == 1 else exp.confidence_list[d - 1][i, f].cpu()
-                    for d, f in zip(depth[i].tolist(), front[i].tolist())]
+                    for d, f in zip(depth.tolist(), front.tolist())]
             vocab = blk.base.shape[-1]
             self.records[req.request_id] = DSparkTreeRecord(
                 trees[i], blk.base[i].cpu().clone(), blk.hidden[i].cpu().clone(),

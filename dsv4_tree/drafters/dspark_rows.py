@@ -45,7 +45,8 @@ def context_rows(model, module, features: torch.Tensor, positions: torch.Tensor)
 
 def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
     """Keys of every block row: its request's context rows (lengths [B] on the host, laid out
-    back to back from table row 0) and all gamma rows of its own block (after the M table rows).
+    back to back from table row 0) and all `gamma` rows of its own block (after the M table rows;
+    gamma: the block's row count, settings.block_rows).
     -> [B * gamma, max(lengths) + gamma] ids into table ++ block rows, -1 = none."""
     b = lengths.shape[0]
     width = int(lengths.max()) if b else 0
@@ -57,17 +58,19 @@ def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
 
 
 def block_ids(module, anchors: torch.Tensor) -> torch.Tensor:
-    """anchors [B] -> block input ids [B, gamma]: the anchor, then the noise token."""
-    gamma = module.block_size
-    noise = torch.full((anchors.shape[0], gamma - 1), module.settings.noise_token_id, dtype=anchors.dtype,
+    """anchors [B] -> block input ids [B, rows]: the anchor, then the noise token (rows = gamma, or
+    gamma + 1 without sample_from_anchor: settings.block_rows)."""
+    rows = module.settings.block_rows
+    noise = torch.full((anchors.shape[0], rows - 1), module.settings.noise_token_id, dtype=anchors.dtype,
                        device=anchors.device)
     return torch.cat([anchors.unsqueeze(1), noise], 1)
 
 
 def block_rows(model, module, ids: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
                index: torch.Tensor) -> DSparkBlock:
-    """ids [B, gamma] block input ids; starts [B] the anchors' positions; tables [S, M, head_dim]
-    context K=V per stage; index [B * gamma, K] (block_index). -> DSparkBlock."""
+    """ids [B, rows] block input ids (block_ids); starts [B] the anchors' positions; tables [S, M,
+    head_dim] context K=V per stage; index [B * rows, K] (block_index). -> DSparkBlock of the gamma
+    rows that predict (all rows, or rows 1..gamma without sample_from_anchor)."""
     b, gamma = ids.shape
     hf = model.hf.model
     flat = ids.reshape(-1)
@@ -77,9 +80,10 @@ def block_rows(model, module, ids: torch.Tensor, starts: torch.Tensor, tables: t
     cos, sin = _rope(model, module, emb, positions)
     for stage, table in zip(module.stages, tables):
         h, _ = window_layer_rows(stage, h, cos, sin, table, index, flat)
-    collapsed = hc_head(module.hc_head, h)  # [1, T, d]
-    base = model.hf.lm_head(rms_norm(module.norm, collapsed))[0]
-    return DSparkBlock(base.view(b, gamma, -1), collapsed[0].view(b, gamma, -1))
+    first = gamma - module.block_size  # 1 without sample_from_anchor: the anchor row predicts nothing
+    collapsed = hc_head(module.hc_head, h).view(b, gamma, -1)[:, first:]  # [B, block_size, d]
+    base = model.hf.lm_head(rms_norm(module.norm, collapsed))
+    return DSparkBlock(base, collapsed)
 
 
 def markov_logits(module, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -87,6 +91,7 @@ def markov_logits(module, base: torch.Tensor, prev: torch.Tensor) -> torch.Tenso
     return base.float() + module.markov_bias(prev).float()
 
 
-def confidences(module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """hidden [..., hidden], prev [...] -> c [...] fp32."""
-    return module.confidence_of(hidden, prev)
+def confidences(module, hidden: torch.Tensor, prev: torch.Tensor, temperature=None) -> torch.Tensor:
+    """hidden [..., hidden], prev [...] -> c [...] fp32; temperature: STS temperature(s) of these
+    depths (None: 1), broadcast to [...]."""
+    return module.confidence_of(hidden, prev, temperature)

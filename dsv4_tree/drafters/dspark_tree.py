@@ -8,11 +8,10 @@ best nodes by cumulative path probability, each gives its topk children, and the
 from. Frontier nodes of one request and depth that share a token share one bias row, one
 softmax and one top-k (computed once, gathered back).
 
-Besides path probabilities the expansion values every candidate with the confidence head:
-c(k, t) = the chance that depth k's draft survives given its parent (token t) was accepted. A
-parent's rank-0 child gets c, the others share 1 - c in proportion to their probabilities
-among the non-top mass; a candidate's value is its parent's times that, so no child outvalues
-its parent (the size policy's selection stays ancestor-closed, drafters/size_policy.py).
+Alongside path probabilities the expansion keeps what node values are made of
+(drafters/node_values.py): each candidate's probability under its parent's distribution and each
+parent's confidence c(k, t), the chance that depth k's draft survives given its parent (token t)
+was accepted.
 
 branching="base" is the DDTree-style baseline for measurements: nodes off the spine (the
 chain's argmax path) branch from U_k alone, without their own Markov bias."""
@@ -35,25 +34,16 @@ class MarkovExpansion:
     score_list: list  # [B, 1, K] then [B, K, K] per later depth: cumulative path probabilities
     token_list: list  # [B, K] then [B, K*K]
     parents_list: list  # [B, K+1] then [B, K] global candidate ids
-    value_list: list  # as score_list: confidence-based values (ancestor-monotone)
-    logit_list: list = field(default_factory=list)  # [B, V] then [B, K, V] fp32: each depth's parents' child logits (keep_logits)
+    prob_list: list = field(default_factory=list)  # as score_list: each candidate's probability given its parent
     confidence_list: list = field(default_factory=list)  # [B] then [B, K]: c of each parent
-
-
-def _child_values(probs: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-    """probs [..., K] a parent's top-K child probabilities (sorted), conf [...] its confidence ->
-    [..., K] the share of the parent's value each child gets (rank 0: c; rank j: (1 - c) p_j / (1 - p_0))."""
-    rest = 1.0 - probs[..., :1]
-    share = torch.where(rest > 0, probs / rest.clamp_min(torch.finfo(probs.dtype).tiny), torch.zeros_like(probs))
-    c = conf.unsqueeze(-1).to(probs.dtype)
-    out = (1.0 - c) * share.clamp(max=1.0)
-    return torch.cat([c.expand_as(out[..., :1]), out[..., 1:]], -1)
+    logit_list: list = field(default_factory=list)  # [B, V] then [B, K, V] fp32: each depth's parents' child logits (keep_logits)
 
 
 def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased: torch.Tensor,
-              topk: int):
+              topk: int, temperature=None):
     """Child distributions of frontier nodes, each distinct (request, token, biased) computed once.
-    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F].
+    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F];
+    temperature: depth k's STS temperature (None: 1).
     -> (top-K probabilities [B, F, K], their tokens [B, F, K], logits [B, F, V] fp32, confidences [B, F])."""
     b, f = tokens.shape
     vocab = base.shape[-1]
@@ -63,7 +53,7 @@ def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Te
     tok, req = uniq % vocab, uniq // vocab // 2
     on = ((uniq // vocab) % 2).bool()
     logits = torch.where(on.unsqueeze(1), markov_logits(module, base[req], tok), base[req].float())
-    conf = confidences(module, hidden[req], tok)
+    conf = confidences(module, hidden[req], tok, temperature)
     ids = logits.topk(topk, dim=-1).indices
     probs = torch.softmax(logits, -1).gather(1, ids)
     return (probs[inv].view(b, f, topk), ids[inv].view(b, f, topk), logits[inv].view(b, f, vocab),
@@ -71,9 +61,11 @@ def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Te
 
 
 def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_steps: int,
-                  branching: str = "markov", keep_logits: bool = False) -> MarkovExpansion:
+                  branching: str = "markov", keep_logits: bool = False, temperatures=None) -> MarkovExpansion:
     """The wave expansion of B blocks (anchors [B] the roots' tokens) to depth num_steps <= gamma,
-    topk children per frontier node and a frontier of topk nodes per depth."""
+    topk children per frontier node and a frontier of topk nodes per depth; temperatures [gamma]:
+    the confidence head's STS temperatures by depth (None: 1)."""
+    temp = (lambda s: None) if temperatures is None else (lambda s: temperatures[s])  # noqa: E731
     gamma = blk.base.shape[1]
     if branching not in BRANCHINGS:
         raise ConfigError(f"branching must be one of {BRANCHINGS}, got {branching!r}")
@@ -81,32 +73,28 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
         raise ConfigError(f"num_steps={num_steps}: a DSpark tree is at most its block size {gamma} deep")
     b, k, dev = anchors.shape[0], topk, anchors.device
     root = torch.ones(b, 1, dtype=torch.bool, device=dev)
-    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k)
+    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k, temp(0))
     pc, tc, conf = pc[:, 0], tc[:, 0], conf[:, 0]  # [B, K], [B]
-    val = _child_values(pc, conf)
     out = MarkovExpansion([pc.view(b, 1, k)], [tc], [torch.arange(-1, k, device=dev).expand(b, k + 1)],
-                          [val.view(b, 1, k)])
+                          [pc.view(b, 1, k)], [conf])
     if keep_logits:
         out.logit_list.append(logits[:, 0])
-        out.confidence_list.append(conf)
-    fscore, ftok, fval = pc, tc, val
+    fscore, ftok = pc, tc
     fspine = torch.zeros(b, k, dtype=torch.bool, device=dev)
     fspine[:, 0] = True  # the root's rank-0 child: the chain's first draft
     for s in range(1, num_steps):
         biased = torch.ones_like(fspine) if branching == "markov" else fspine
-        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k)
+        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k, temp(s))
         scores = fscore.unsqueeze(2) * pc  # [B, K, K]
-        values = fval.unsqueeze(2) * _child_values(pc, conf)
         flat = scores.reshape(b, k * k)
         out.score_list.append(scores)
         out.token_list.append(tc.reshape(b, k * k))
-        out.value_list.append(values)
+        out.prob_list.append(pc)
+        out.confidence_list.append(conf)
         if keep_logits:
             out.logit_list.append(logits)
-            out.confidence_list.append(conf)
         chosen = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :k]
         out.parents_list.append(chosen + k * k * (s - 1) + k)
         fspine = fspine.gather(1, chosen // k) & (chosen % k == 0)
         fscore, ftok = flat.gather(1, chosen), tc.reshape(b, k * k).gather(1, chosen)
-        fval = values.reshape(b, k * k).gather(1, chosen)
     return out

@@ -1,6 +1,8 @@
 """MTP drafter: the checkpoint's own MTP block drafts trees EAGLE-2 style, incrementally.
 
-Step 0 runs one root row per request (pending token + the target's streams at P-1). Step
+Step 0 runs one root row per request (pending token + the target's streams at P-1); a request
+with nothing committed (P = 0: a one-token prompt) gets its root alone, as SGLang drafts only
+after a target pass. Step
 s >= 1 runs the draft layer only on the topk frontier rows chosen at step s-1, each
 attending to its request's draft-cache window, its ancestors' rows from earlier steps (K=V
 kept from when they were computed) and itself. All live requests go through one pass of the
@@ -33,8 +35,8 @@ from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from .base import TreeShape
 from .depth import DepthPolicy, DraftRound, candidate_depths
-from .mtp_cache import DraftCache, fold_back, root_step, window_index
-from .mtp_rows import MtpRows, draft_rows, head_logits, layer_rows
+from .mtp_cache import DraftCache, fold_back, pending_rows, root_step, store_rows, window_index
+from .mtp_rows import MtpRows, draft_kv_rows, draft_rows, head_logits, layer_rows
 
 
 @dataclass
@@ -133,12 +135,35 @@ class MtpDrafter:
                 weakref.finalize(req, _drop, weakref.ref(self), req.request_id)
             self.caches[req.request_id] = cache
 
+    @torch.inference_mode()
+    def sync(self, requests) -> list:
+        """The draft-extend in a pass of its own (K=V rows only, one pass for all requests): each
+        request's cache brought up to its committed rows, as a draft's step 0 does it; returns the
+        caches in request order."""
+        model = self.model
+        caches = self._caches(requests)
+        todo = [(c, r) for c, r in zip(caches, requests) if r.seq_len != c.seq_len]
+        if todo:
+            parts = [pending_rows(model, c, r) for c, r in todo]
+            raw = draft_kv_rows(model, self.mtp, *(torch.cat([p[i] for p in parts]) for i in range(3)))
+            start = 0
+            for (cache, req), (ids, _, _, last) in zip(todo, parts):
+                store_rows(model, cache, req, raw[start : start + ids.shape[0]], last)
+                start += ids.shape[0]
+        self._keep(requests, caches)
+        return caches
+
     def draft(self, engine, requests) -> list:
         depth = depth_for(self.depth, engine.spec)
-        if self.shape.num_draft_tokens == 1:  # nothing to draft: the root alone
+        fresh = [r.seq_len == 0 for r in requests]  # no target run yet: no streams to pair the root with
+        if self.shape.num_draft_tokens == 1 or all(fresh):  # nothing to draft: the root alone
             self.last_round, self._measuring = DraftRound(0, 0, "max"), False
             return [DraftTree.chain([r.root_token]) for r in requests]
-        return self.expand(requests, depth).trees
+        if not any(fresh):
+            return self.expand(requests, depth).trees
+        drafted = iter(self.expand([r for r, f in zip(requests, fresh) if not f], depth).trees)
+        with torch.inference_mode(False):
+            return [DraftTree.chain([r.root_token]) if f else next(drafted) for r, f in zip(requests, fresh)]
 
     def _policy(self, depth: str) -> DepthPolicy | None:
         """The adaptive policy for a draft at `depth` (None for "fixed")."""
@@ -157,6 +182,10 @@ class MtpDrafter:
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
         model, w = self.model, self.model.window
         caches = self._caches(requests)
+        for req in requests:
+            if req.seq_len == 0:
+                raise StateError(f"request {req.request_id} has nothing committed: the MTP root row pairs the "
+                                 "pending token with the target's streams at seq_len - 1 (draft gives it its root alone)")
         b, dev = len(requests), model.device
         policy = self._policy(depth or self.depth or "fixed")
         if policy is not None:

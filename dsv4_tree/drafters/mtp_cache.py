@@ -2,7 +2,9 @@
 
 DraftCache holds, per request, the draft layer's K=V rows of the last `sliding_window`
 committed positions (plain tensors) and the target streams at seq_len - 1 (the next root
-row's input). A draft brings the caches up to their requests after prefill/commit (the
+row's input). The row at position p >= 1 pairs x_p with the target's streams at p - 1: SGLang's
+draft-extend rows (its row t pairs x_{t+1} with the streams at t), placed one position later
+(RoPE is relative); no row pairs x_0 with anything, so position 0 has no K=V row. A draft brings the caches up to their requests after prefill/commit (the
 draft-extend step, from the target streams the engine left in Request.new_hidden) inside its
 step 0: `root_step` folds that draft-extend into the step: the pending rows and the root rows
 go through the layer in one pass (`fold_back` then stores the pending rows' K=V).
@@ -22,7 +24,7 @@ class DraftCache:
 
     window: torch.Tensor  # [w, head_dim] K=V rows, w <= sliding_window
     seq_len: int
-    prev_hidden: torch.Tensor  # [hc_mult, hidden] target streams at seq_len - 1 (zeros at 0)
+    prev_hidden: torch.Tensor  # [hc_mult, hidden] target streams at seq_len - 1 (unset, zeros, at 0)
 
     @classmethod
     def empty(cls, model) -> "DraftCache":
@@ -32,7 +34,8 @@ class DraftCache:
 
 
 def pending_rows(model, cache: DraftCache, req):
-    """(ids, input streams, positions, last target streams) of the rows to compute for req."""
+    """(ids, input streams, positions, last target streams) of the rows to compute for req: the
+    positions from max(cache.seq_len, seq_len - window, 1) to seq_len - 1 (none at 0)."""
     new = req.seq_len - cache.seq_len
     w = model.window
     need = min(new, w + 1)
@@ -40,10 +43,10 @@ def pending_rows(model, cache: DraftCache, req):
         have = None if req.new_hidden is None else req.new_hidden.shape[0]
         raise StateError(f"MTP drafter is {new} rows behind request {req.request_id} but the request carries "
                          f"hidden states for {have}; draft after every prefill and commit")
-    first = max(cache.seq_len, req.seq_len - w)  # rows before it fall out of the window
+    first = max(cache.seq_len, req.seq_len - w, 1)  # rows before it fall out of the window; none at 0
     streams = req.new_hidden[-need:].to(model.device)  # positions seq_len - need .. seq_len - 1
     base = req.seq_len - need
-    prev = [cache.prev_hidden.unsqueeze(0)] if first == cache.seq_len else []
+    prev = [cache.prev_hidden.unsqueeze(0)] if first == cache.seq_len else []  # streams at first - 1
     hid = torch.cat(prev + [streams[max(0, first - 1 - base) : need - 1]])
     ids = req.tokens[first : req.seq_len].to(model.device)
     positions = torch.arange(first, req.seq_len, device=model.device)

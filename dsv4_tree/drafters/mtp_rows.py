@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics.hc import hc_head
+from ..attention.layer import kv_rows
+from ..numerics.hc import hc_collapse, hc_head
 from ..numerics.norms import rms_norm
-from ..numerics.rope import rope_pairs, rope_tables
+from ..numerics.rope import apply_rope, rope_pairs, rope_tables
 from .window_layer import window_layer_rows
 
 
@@ -68,3 +69,13 @@ def layer_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions
     h, c, s = layer_input(model, mtp, ids, hidden_in, positions)
     cos, sin = rope_tables(c, s, mtp.decoder.self_attn.head_dim)  # full width (numerics/rope.py)
     return window_layer_rows(mtp.decoder, h, cos, sin, table, index, ids, first)
+
+
+@torch.inference_mode()
+def draft_kv_rows(model, mtp, ids: torch.Tensor, hidden_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The K=V rows the draft layer stores for these inputs ([T, head_dim]): a row's K=V
+    depends on its own input alone (a draft-extend in a pass of its own, MtpDrafter.sync)."""
+    h, cos, sin = layer_input(model, mtp, ids, hidden_in, positions)
+    layer = mtp.decoder
+    return kv_rows(layer.self_attn, rms_norm(layer.input_layernorm, hc_collapse(layer.attn_hc, h)), cos, sin,
+                   apply_rope)

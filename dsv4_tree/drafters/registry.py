@@ -1,10 +1,12 @@
 """Drafters by name: "mtp" | "dspark" | "ngram" | "planted" | an object with draft(engine, requests).
 
 A name builds the drafter for the engine's tree shape once and keeps it on the engine (the
-MTP block's weights are read once per engine, not per call). Every resolved drafter with a
+MTP block's weights are read once per engine, not per call), leaving the global RNG as it was. Every resolved drafter with a
 `release(req)` method is registered with the engine, so Engine.release drops its
 per-request state."""
 from __future__ import annotations
+
+import torch
 
 from ..errors import InputError
 from .base import TreeShape
@@ -13,6 +15,15 @@ DRAFTER_NAMES = ("mtp", "dspark", "ngram", "planted")
 
 
 def _build(name: str, engine):
+    """The named drafter, built without touching the global RNG: a module's construction draws
+    initial weights (then overwritten by the checkpoint's), and a run seeded with
+    torch.manual_seed must draw the same tokens whether or not it built the drafter."""
+    dev = torch.device(engine.model.device)
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        return _construct(name, engine)
+
+
+def _construct(name: str, engine):
     shape = TreeShape.from_spec(engine.spec)
     if name == "mtp":
         from .mtp import MtpDrafter

@@ -20,8 +20,9 @@ class RowsRun:
     logits: torch.Tensor  # [rows kept, vocab] (all T rows, or the requested subset)
     topk_ties: torch.Tensor  # [T] per row: layers whose indexer top-k boundary was a (near-)tie
     hidden: torch.Tensor  # [T, hc_mult, hidden] residual streams before hc_head (MTP input)
-    # per row, the input streams of each `feature_layers` layer averaged over the hc streams,
-    # concatenated in that order (a DSpark drafter's context); None when none were asked for
+    # per row, the output streams of each `feature_layers` layer averaged over the hc streams,
+    # concatenated in ascending layer order (a DSpark drafter's context, as SGLang's V4 layer
+    # loop captures it: design_notes/dspark.md); None when none were asked for
     features: torch.Tensor | None = None  # [T, len(feature_layers) * hidden]
 
 
@@ -55,7 +56,7 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
              feature_layers: tuple = ()) -> RowsRun:
     """plan: tables on the model's device; pools: LayerPools per layer (rows written into them).
     logit_rows: packed rows to keep logits for (device tensor); feature_layers: layer ids whose
-    input streams (mean over hc) RowsRun.features keeps. The MoE layers pick their experts
+    output streams (mean over hc) RowsRun.features keeps, in ascending layer order. The MoE layers pick their experts
     implementation themselves (numerics/moe.py)."""
     hf = model.hf.model
     ids = plan.input_ids.unsqueeze(0)
@@ -65,14 +66,14 @@ def run_rows(model, plan: VerifyPlan, pools: list, ops, logit_rows: torch.Tensor
     ties = torch.zeros(plan.num_rows, dtype=torch.int64, device=emb.device)
     seen = {}
     for i, (layer, layer_pools) in enumerate(zip(hf.layers, pools)):
-        if i in feature_layers:
-            seen[i] = h[0].mean(1)
         h, n_ties = decoder_layer_rows(layer, h, plan, layer_pools, rope, ops, ids)
         if n_ties is not None:
             ties = ties + n_ties
+        if i in feature_layers:
+            seen[i] = h[0].mean(1)
     hidden = h[0]
     if logit_rows is not None:
         h = h[:, logit_rows]
     logits = model.hf.lm_head(rms_norm(hf.norm, hc_head(hf.hc_head, h)))[0]
-    features = torch.cat([seen[i] for i in feature_layers], -1) if feature_layers else None
+    features = torch.cat([seen[i] for i in sorted(feature_layers)], -1) if feature_layers else None
     return RowsRun(logits, ties, hidden, features)

@@ -10,6 +10,8 @@ its pools sized for the call: engines.py), accept against transformers' own targ
 (target.py) and return transformers' layout (columns.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import sys
 from pathlib import Path
@@ -132,6 +134,10 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     given = {"dsv4_drafter": dsv4_drafter, "dsv4_eagle_topk": dsv4_eagle_topk, "dsv4_num_steps": dsv4_num_steps,
              "dsv4_num_draft_tokens": dsv4_num_draft_tokens}
     drafter, spec = choose_tree(model, gc, given)
+    if ask.do_sample and spec.depth_mode != "fixed":
+        # an adaptive tree's shape follows measured times, and with it which draws speculation
+        # makes: sampled runs draft fixed trees, so torch.manual_seed fixes the tokens
+        spec = dataclasses.replace(spec, draft_depth="fixed")
     engine = engine_for(model, spec, ask.prompts, ask.budget)
     log.info("dsv4_tree.custom_generate: %s drafter, eagle_topk=%d num_steps=%d num_draft_tokens=%d",
              drafter, spec.eagle_topk, spec.num_steps, spec.num_draft_tokens)

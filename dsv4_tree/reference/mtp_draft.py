@@ -28,12 +28,16 @@ class ReferenceDraft:
 def committed_mtp_inputs(req, window: int):
     """The draft layer's inputs for the committed rows a draft can see, from a request fresh
     out of Engine.prefill (Request.new_hidden holds the last window + 1 target streams):
-    (tokens [L], input streams [L, hc, d], positions [L], root streams [hc, d])."""
+    (tokens [L], input streams [L, hc, d], positions [L], root streams [hc, d]). The rows are
+    SGLang's draft-extend rows, placed one position later: position q >= 1 pairs x_q with the
+    streams at q - 1; none pairs x_0 with anything (reference/mtp_extend.py)."""
     p, h = req.seq_len, req.new_hidden
-    n = min(p, window)
-    if h is None or h.shape[0] < min(p, n + 1):
+    if p < 1:
+        raise ValueError("committed_mtp_inputs: nothing committed (P = 0), no target streams to draft from")
+    n = min(p - 1, window)  # rows at positions p - n .. p - 1, all >= 1
+    if h is None or h.shape[0] < n + 1:
         raise ValueError("committed_mtp_inputs needs a request fresh out of prefill (new_hidden of window + 1 rows)")
-    streams = h[-(n + 1):] if p > n else torch.cat([torch.zeros_like(h[:1]), h[-n:]])  # positions p-n-1 .. p-1
+    streams = h[-(n + 1):]  # positions p-n-1 .. p-1
     return req.tokens[p - n :], streams[:-1], torch.arange(p - n, p), streams[-1]
 
 

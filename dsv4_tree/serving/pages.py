@@ -105,6 +105,15 @@ class PageTable:
         self._new_cells, self._new_recent = {}, {}
         return list(cells), list(cells.values()), list(recent), list(recent.values())
 
+    def put_back(self, taken: tuple) -> None:
+        """Undo a take_updates whose mappings never reached the device (the step that took them
+        raised): they are taken again with the next step's, under any newer value of a cell."""
+        cells, pages, tok, rec = taken
+        merged_cells, merged_recent = dict(zip(cells, pages)), dict(zip(tok, rec))
+        merged_cells.update(self._new_cells)
+        merged_recent.update(self._new_recent)
+        self._new_cells, self._new_recent = merged_cells, merged_recent
+
     def shrink(self, rows, lengths) -> None:
         """Free token pages (and their recent pages) wholly at or past lengths[i]."""
         ps = self.page_size

@@ -71,16 +71,21 @@ class ServingRuntime:
         sizes = [t.num_nodes for t in trees]
         self.pages.ensure(rows, [p + n for p, n in zip(seq_lens, sizes)], [p - r for p in seq_lens])
         shapes = step_shapes(sizes, seq_lens, self.layout, self.max_nodes if bucketed else None)
-        step = schedule(rows, seq_lens, trees, sizes, self.pages.take_updates(), shapes)
-        offsets = [0]
-        for n in sizes[:-1]:
-            offsets.append(offsets[-1] + n)
-        host = dict(rows=tuple(rows), seq_lens=tuple(seq_lens), offsets=tuple(offsets), num_nodes=tuple(sizes),
-                    trees=tuple(trees), bucket=shapes if bucketed else None)
-        if graphed:
-            staged = upload(step, self.device_pages, self.model.device)
-            return VerifyPlan(shapes.rows, None, None, None, None, None, {}, None, staged=staged, **host)
-        return VerifyPlan(**self.build(step), **host)
+        updates = self.pages.take_updates()
+        try:  # the updates are consumed only with a built (or staged) step: a retry after a raise re-applies them
+            step = schedule(rows, seq_lens, trees, sizes, updates, shapes)
+            offsets = [0]
+            for n in sizes[:-1]:
+                offsets.append(offsets[-1] + n)
+            host = dict(rows=tuple(rows), seq_lens=tuple(seq_lens), offsets=tuple(offsets), num_nodes=tuple(sizes),
+                        trees=tuple(trees), bucket=shapes if bucketed else None)
+            if graphed:
+                staged = upload(step, self.device_pages, self.model.device)
+                return VerifyPlan(shapes.rows, None, None, None, None, None, {}, None, staged=staged, **host)
+            return VerifyPlan(**self.build(step), **host)
+        except BaseException:  # Ctrl-C, out of memory, a failed launch: the device table may lack them
+            self.pages.put_back(updates)
+            raise
 
     def build(self, step: HostStep) -> dict:
         """Device half: the one copy, then every table (no host reads; graph-capturable)."""

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 plug-in: EAGLE tree verify (topk > 1) for DeepSeek-V4 inside SGLang.
+"""SGLang 0.5.23 plug-in: tree verify (EAGLE or DSPARK, topk > 1) for DeepSeek-V4 inside SGLang.
 
 SGLang loads this through the entry point `[project.entry-points."sglang.srt.plugins"]
 dsv4_tree` and calls `register()` in every process it starts; `register()` records hooks in
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 HOOKS = (
     ("sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults", "AROUND", "around_apply_deepseek_v4_defaults"),
     ("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "AROUND", "around_handle_eagle_family"),
+    ("sglang.srt.arg_groups.speculative_hook._handle_dspark", "AROUND", "around_handle_dspark"),
     ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_attn_backend", "AROUND",
      "around_create_deepseek_v4_attn_backend"),
     ("sglang.srt.layers.attention.deepseek_v4_trtllm_backend.create_deepseek_v4_multistep_backend", "AROUND",
@@ -29,6 +30,16 @@ HOOKS = (
      "around_finalize_accept_tree_path"),
     ("sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.clear_unaccepted_c128_draft_states",
      "AROUND", "around_clear_unaccepted_c128_draft_states"),
+    # DSpark trees (dspark_runtime.py, dspark_worker.py)
+    ("sglang.srt.speculative.dspark_components.dspark_config.resolve_runtime_config", "AROUND",
+     "around_resolve_runtime_config"),
+    ("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.get_num_tokens_per_req_for_target_verify", "AROUND",
+     "around_num_tokens_per_req_for_target_verify"),
+    ("sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode", "AROUND", "around_get_alloc_len_per_decode"),
+    ("sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2.__init__", "AROUND",
+     "around_dspark_worker_init"),
+    ("sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2._forward_decode", "AROUND",
+     "around_dspark_forward_decode"),
 )
 HOOK_TARGETS = tuple(target for target, _, _ in HOOKS)
 

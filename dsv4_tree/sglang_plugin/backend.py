@@ -46,32 +46,38 @@ GLUE_REFUSAL = ("dsv4_tree tree verify: the out-of-graph prep copies the round's
                 "input (spec_info), which a metadata glue graph would read at its capture-time address")
 
 
-class _TopkOneSpec:
-    """get_spec() as SGLang's backend __init__ sees it: topk 1, everything else the real spec."""
+class _SpecView:
+    """get_spec() as SGLang's backend __init__ sees it: the overridden fields (topk 1 for the tree
+    backends), everything else the real spec."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, overrides: dict):
         self._spec = spec
+        self._overrides = overrides
 
     def __getattr__(self, name):
-        return 1 if name == "speculative_eagle_topk" else getattr(self._spec, name)
+        return self._overrides[name] if name in self._overrides else getattr(self._spec, name)
 
 
 @contextlib.contextmanager
-def _topk_one_view():
+def spec_view(**overrides):
     """Yields the real get_spec (also when nested: the multi-step backend builds its step
-    backends inside its own __init__)."""
+    backends inside its own __init__) while the backend module's get_spec reports `overrides`."""
     before = dsv4.get_spec
     real = getattr(before, "dsv4_tree_real", before)
 
-    def topk_one():
-        return _TopkOneSpec(real())
+    def viewed():
+        return _SpecView(real(), overrides)
 
-    topk_one.dsv4_tree_real = real
-    dsv4.get_spec = topk_one
+    viewed.dsv4_tree_real = real
+    dsv4.get_spec = viewed
     try:
         yield real
     finally:
         dsv4.get_spec = before
+
+
+def _topk_one_view():
+    return spec_view(speculative_eagle_topk=1)
 
 
 def _check_pool(backend) -> None:
@@ -128,7 +134,7 @@ class TreeDeepseekV4AttnBackend(_TreeMixin, dsv4.DeepseekV4AttnBackend):
         if mode.is_target_verify():
             self._tree_links = verify_links(None if in_capture else forward_batch.spec_info,
                                             forward_batch.batch_size, self.speculative_num_draft_tokens,
-                                            forward_batch.seq_lens.device)
+                                            forward_batch.seq_lens.device, capture=in_capture)
             try:
                 return super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
             finally:

@@ -54,13 +54,27 @@ def chain_links(bs: int, n: int, device) -> tuple:
     return pad_links_as_chains(empty, empty, bs)
 
 
-def verify_links(spec_info, bs: int, n: int, device) -> tuple:
+def sglang_warmup_forward() -> bool:
+    """SGLang's discarded warm-up forwards (its FlashInfer autotune dummy runs), which build verify
+    metadata for a dummy batch with no tree, as its graph capture does."""
+    from sglang.srt.layers.logits_processor import get_in_autotune_dummy_run
+
+    return bool(get_in_autotune_dummy_run())
+
+
+def verify_links(spec_info, bs: int, n: int, device, capture: bool = False) -> tuple:
     """The links of a verify batch of bs requests: spec_info's tree (one row per real request),
-    padding requests as chains; a capture batch (no tree in spec_info) as bs chains. New tensors."""
+    padding requests as chains. A batch whose spec_info carries no tree verifies as bs chains only
+    in SGLang's graph capture (`capture`) and its warm-up forwards; anywhere else it is a
+    StateError naming the missing fields. New tensors."""
     nxt = getattr(spec_info, "retrieve_next_token", None)
     sib = getattr(spec_info, "retrieve_next_sibling", None)
     if nxt is None or sib is None:
-        return chain_links(bs, n, device)
+        if capture or sglang_warmup_forward():
+            return chain_links(bs, n, device)
+        missing = [name for name, x in (("retrieve_next_token", nxt), ("retrieve_next_sibling", sib)) if x is None]
+        raise StateError(f"dsv4_tree tree verify: the verify batch's spec_info ({type(spec_info).__name__}) carries "
+                         f"no tree ({' and '.join(missing)} missing); only SGLang's graph capture verifies chains")
     if nxt.shape[1] != n:
         raise StateError(f"dsv4_tree tree verify: spec_info.retrieve_next_token has {nxt.shape[1]} nodes per "
                          f"request, the backend verifies speculative_num_draft_tokens = {n}")

@@ -21,45 +21,17 @@ import dataclasses
 import logging
 
 from ..errors import ConfigError
-from .validate import DSV4_ARCHS, TreeServeSettings, tree_requested, validate_tree_settings
+from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name, __init__.HOOKS)
+from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
+                             around_resolve_runtime_config)
+from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
+from .server_settings import draft_token_capacity, settings_from_server_args  # noqa: F401 (tests read them here)
+from .validate import DSV4_ARCHS, tree_requested, validate_tree_settings
 
 logger = logging.getLogger(__name__)
 
 DSV4_TOPK_REFUSAL = "topk == 1 is supported for"  # apply_deepseek_v4_defaults' assertion
 PAGE_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1"  # _handle_eagle_family's ValueError
-
-
-def draft_token_capacity(num_draft_tokens: int) -> int:
-    """Most draft tokens per request SGLang's C4 compressor-state ring serves under speculation
-    (SGLang's own bound, `get_compress_state_write_pad`; 10 for its ring of 16)."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
-        get_compress_state_ring_size, get_compress_state_write_pad)
-
-    return get_compress_state_write_pad(4, get_compress_state_ring_size(4, max(1, num_draft_tokens)))
-
-
-def settings_from_server_args(server_args) -> TreeServeSettings:
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-    from sglang.srt.environ import envs
-    from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
-
-    cfg = resolving_view(server_args)
-    archs = getattr(model_config_of(server_args).hf_config, "architectures", None) or [""]
-    n = int(cfg.speculative_num_draft_tokens or 0)
-    return TreeServeSettings(
-        model_arch=archs[0], speculative_algorithm=cfg.speculative_algorithm,
-        topk=int(cfg.speculative_eagle_topk or 0), num_steps=int(cfg.speculative_num_steps or 0), num_draft_tokens=n,
-        dsv4_attn_backend=str(cfg.dsv4_attn_backend), disable_cuda_graph=bool(cfg.disable_cuda_graph),
-        attn_cp_size=int(cfg.attn_cp_size or 1), dcp_size=int(cfg.dcp_size or 1),
-        enable_prefill_cp=bool(cfg.enable_prefill_cp),
-        encoder_swa_bounded_replay=bool(cfg.enable_encoder_swa_bounded_replay),
-        unified_kv=is_unified_kv_triton(), online_compress=bool(envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get()),
-        ragged_verify_mode=str(envs.SGLANG_RAGGED_VERIFY_MODE.get()), draft_token_capacity=draft_token_capacity(n),
-        pp_size=int(cfg.pp_size or 1), multi_layer_eagle=bool(cfg.enable_multi_layer_eagle),
-        hisparse=bool(cfg.enable_hisparse), hierarchical_cache=bool(cfg.enable_hierarchical_cache),
-        disaggregation_mode=str(cfg.disaggregation_mode or "null"),
-        debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
-    )
 
 
 def around_apply_deepseek_v4_defaults(original, server_args, model_arch):
@@ -98,9 +70,21 @@ def _tree_topk(model_runner) -> int:
     return int(get_spec().speculative_eagle_topk or 0)
 
 
+def _is_dspark_draft_runner(model_runner) -> bool:
+    return bool(getattr(model_runner, "is_draft_worker", False)) and model_runner.spec_algorithm.is_dspark()
+
+
 def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
     if _tree_topk(model_runner) <= 1:
         return original(model_runner, **kwargs)
+    if _is_dspark_draft_runner(model_runner):
+        # the DSpark draft runner keeps SGLang's own backend, built as for SGLang's DSpark chain of
+        # the tree's gamma; only the target gets the tree backend
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, **kwargs)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import (
         is_dsv4_mega_attn_enabled, is_dsv4_trtllm_attn_enabled)
 
@@ -114,6 +98,12 @@ def around_create_deepseek_v4_attn_backend(original, model_runner, **kwargs):
 def around_create_deepseek_v4_multistep_backend(original, model_runner, topk, speculative_num_steps):
     if topk <= 1:
         return original(model_runner, topk=topk, speculative_num_steps=speculative_num_steps)
+    if _is_dspark_draft_runner(model_runner):
+        from .backend import spec_view
+        from .dspark_runtime import draft_spec_overrides
+
+        with spec_view(**draft_spec_overrides()):
+            return original(model_runner, topk=1, speculative_num_steps=speculative_num_steps)
     from sglang.srt.layers.attention.deepseek_v4_trtllm_backend import is_dsv4_trtllm_attn_enabled
 
     if is_dsv4_trtllm_attn_enabled():

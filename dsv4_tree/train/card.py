@@ -46,6 +46,25 @@ def write_model_card(out_dir) -> Path:
         "![loss curve](loss_curve.png)",
         "",
     ]
+    retrain = meta.get("mtp_retrain")
+    if retrain:
+        rc = retrain["train_config"]
+        lines += [
+            "## MTP block (retrained)",
+            "",
+            f"- the shipped `mtp.0.*` block was retrained against this frozen target by `{retrain['command']}`,",
+            "  starting from " + ("the joint run's block" if retrain.get("init") == "checkpoint" else "a fresh block") + ":",
+            f"  {rc['steps']} steps of batch {rc['batch']} x {rc['seq_len']} bytes, the recipe above (peak lr {rc['lr']},",
+            f"  {rc['warmup']} warmup steps, cosine, loss weight {rc['mtp_weight']}, seed {rc['seed']}), target frozen,",
+            f"  {retrain['seconds'] / 60:.1f} min wall ({retrain['cpu_seconds'] / 60:.1f} min CPU, "
+            f"{retrain['torch_threads']} torch threads)",
+            f"- rows: {retrain['rows']} (the joint run above had one more row, x_0 with zero streams)",
+            f"- final validation loss: {retrain['final_val_mtp_bpb']:.3f} bits per byte (MTP; the joint run's block: "
+            f"{meta['final_val_mtp_bpb']:.3f})",
+            "",
+            "![MTP loss curve](mtp_loss_curve.png)",
+            "",
+        ]
     path = out_dir / "README.md"
     path.write_text("\n".join(lines))
     return path

@@ -1,7 +1,8 @@
 """Train a tiny DSpark module against the frozen shipped trained target, DeepSpec's recipe.
 
-Per training window the frozen target runs once (features: the input streams of the target
-layers averaged over hc; its next-byte distributions p_t). Random anchors a get a block
+Per training window the frozen target runs once (features: the output streams of the target
+layers averaged over hc, ascending, as SGLang's V4 layer loop and DeepSpec capture them; its
+next-byte distributions p_t). Random anchors a get a block
 [x_a, noise x (gamma - 1)] whose rows see the context K=V of positions a - W .. a - 1 and the
 whole block (drafters/dspark_rows.py, the drafter's own functions); the Markov head is
 teacher-forced (prev = x_a .. x_{a + gamma - 1}). Loss per block position k, weighted by
@@ -40,22 +41,22 @@ class DSparkTrainConfig:
     block_size: int = 5  # gamma
     markov_rank: int = 32
     noise_token_id: int = 258  # a spare id of the byte vocabulary (train/corpus.py)
-    target_layer_ids: tuple = (1, 2, 3)
+    target_layer_ids: tuple = (0, 1, 2)  # their outputs: the inputs of layers 1-3
     loss_decay: float = 4.0
     max_files: int | None = None
 
 
 class FeatureCapture:
-    """Pre-hooks on the target layers: their input streams averaged over hc, [B, L, hidden] each."""
+    """Forward hooks on the target layers: their output streams averaged over hc, [B, L, hidden]
+    each, concatenated in ascending layer order."""
 
     def __init__(self, hf, layer_ids):
-        self.layer_ids, self.seen = tuple(layer_ids), {}
-        self.handles = [hf.model.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                        for i in self.layer_ids]
+        self.layer_ids, self.seen = tuple(sorted(layer_ids)), {}
+        self.handles = [hf.model.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
 
     def _hook(self, i):
-        def hook(module, args, kwargs):
-            self.seen[i] = (args[0] if args else kwargs["hidden_states"]).mean(2)
+        def hook(module, args, output):
+            self.seen[i] = output.mean(2)
         return hook
 
     def features(self) -> torch.Tensor:
@@ -69,7 +70,8 @@ class FeatureCapture:
 def anchor_index(anchors: torch.Tensor, length: int, window: int, gamma: int) -> torch.Tensor:
     """anchors [B, A] positions in windows of `length` rows laid out back to back -> keys of every
     block row [B * A * gamma, window + gamma]: context rows a - window .. a - 1 of its own window,
-    then its own block's rows (after the B * length context rows)."""
+    then its own block's rows (after the B * length context rows; gamma: rows per block,
+    DSparkSettings.block_rows)."""
     b, a = anchors.shape
     j = torch.arange(window)
     ctx = anchors.unsqueeze(-1) - window + j  # [B, A, W]
@@ -91,7 +93,7 @@ def dspark_losses(model, module, capture, seq: torch.Tensor, g: torch.Generator,
     pos = anchors.reshape(-1)
     rows = torch.arange(b).repeat_interleave(cfg.anchors)
     blk = block_rows(model, module, block_ids(module, ids[rows, pos]), pos, tables,
-                     anchor_index(anchors, length, window, gamma))
+                     anchor_index(anchors, length, window, module.settings.block_rows))
     k = torch.arange(gamma)
     prev = ids[rows.unsqueeze(1), pos.unsqueeze(1) + k]  # x_a .. x_{a + gamma - 1}: teacher forcing
     labels = seq[rows.unsqueeze(1), pos.unsqueeze(1) + k + 1]

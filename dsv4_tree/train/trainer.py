@@ -1,9 +1,11 @@
 """Train a small DeepSeek-V4 (every layer type, hash + routed MoE) jointly with its MTP block
 on the standard library's sources, byte-level. CPU-only, seeded.
 
-Loss = CE(main next byte) + mtp_weight * CE(MTP): the MTP row at position p takes byte x_p
-and the main model's residual streams at p-1 and predicts x_{p+1} (i.e. from the streams at
-t and the embedding of x_{t+1}, predict x_{t+2})."""
+Loss = CE(main next byte) + mtp_weight * CE(MTP): the MTP row at position p >= 1 takes byte
+x_p and the main model's residual streams at p-1 and predicts x_{p+1} (i.e. from the streams at
+t and the embedding of x_{t+1}, predict x_{t+2}); no row pairs x_0 with anything, as in
+SGLang's draft-extend (design_notes/mtp-drafter.md). `train_mtp` (mtp_trainer.py) retrains the
+MTP block alone against a frozen target with the same recipe."""
 from __future__ import annotations
 
 import json
@@ -45,13 +47,14 @@ class TrainConfig:
 
 
 def mtp_rows(model, mtp: MtpBlock, ids: torch.Tensor, main_streams: torch.Tensor) -> torch.Tensor:
-    """MTP logits for every row of a batch (dense causal sliding window). ids [B, L] -> [B, L, V]"""
+    """MTP logits of the rows at positions 1 .. L-1 of a batch (row p: x_p with the main streams
+    at p - 1; dense causal sliding window over those rows). ids [B, L] -> [B, L - 1, V]"""
     hf = model.model
-    b, length = ids.shape
-    hid = torch.cat([torch.zeros_like(main_streams[:, :1]), main_streams[:, :-1]], dim=1)
+    ids = ids[:, 1:]
+    length = ids.shape[1]
     emb = hf.embed_tokens(ids)
-    x = mtp.e_proj(mtp.enorm(emb)).unsqueeze(2) + mtp.h_proj(mtp.hnorm(hid))
-    pos = torch.arange(length).unsqueeze(0)
+    x = mtp.e_proj(mtp.enorm(emb)).unsqueeze(2) + mtp.h_proj(mtp.hnorm(main_streams[:, :-1]))
+    pos = torch.arange(1, length + 1).unsqueeze(0)
     pe = {label: hf.rotary_emb(emb, position_ids=pos, layer_type=label) for label in ("main", "compress")}
     i = torch.arange(length)
     ok = (i.view(-1, 1) >= i.view(1, -1)) & (i.view(-1, 1) - i.view(1, -1) < model.config.sliding_window)
@@ -75,7 +78,7 @@ def losses(model, mtp, capture, seq: torch.Tensor):
     ids, target = seq[:, :-1], seq[:, 1:]
     logits = model(input_ids=ids, use_cache=False).logits
     main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-    mlog = mtp_rows(model, mtp, ids, capture.value)[:, 1:]  # row 0 has no main streams
+    mlog = mtp_rows(model, mtp, ids, capture.value)  # rows 1 .. L-1 (none at 0: no main streams before it)
     mtp_loss = F.cross_entropy(mlog.reshape(-1, mlog.shape[-1]), target[:, 1:].reshape(-1))
     return main, mtp_loss
 

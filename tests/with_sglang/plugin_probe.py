@@ -23,6 +23,17 @@ def dsv4_dir(root: str) -> str:
     return d
 
 
+def dspark_dir(root: str) -> str:
+    """The DeepSeek-V4 config with a bundled DSpark draft (its dspark_* keys: SGLang then drafts from
+    the target's own checkpoint), gamma 5."""
+    d = dsv4_dir(os.path.join(root, "with_dspark"))
+    path = os.path.join(d, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(dspark_block_size=5, dspark_markov_rank=8, dspark_noise_token_id=990, dspark_target_layer_ids=[1, 2, 3])
+    json.dump(cfg, open(path, "w"))
+    return d
+
+
 def llama_dir(root: str) -> str:
     d = os.path.join(root, "llama")
     c = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -38,18 +49,37 @@ REFUSED = {"pp_size=2": dict(pp_size=2), "--enable-multi-layer-eagle": dict(enab
            "disaggregation_mode='decode'": dict(disaggregation_mode="decode")}
 
 
-def resolve(model_path: str, **kw):
+# DSPARK resolution needs a CUDA, NPU or XPU device name (SGLang refuses "cpu"); nothing is allocated
+DSPARK = dict(speculative_algorithm="DSPARK", speculative_num_steps=None, device="cuda")
+DSPARK_TREE = dict(DSPARK, speculative_eagle_topk=4, speculative_num_draft_tokens=8, grammar_backend="none")
+TREE_ENV = {"SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}  # SGLang's default folds a chain proposal into the draft graph
+DSPARK_REFUSED = {"--grammar-backend none": (dict(DSPARK_TREE, grammar_backend=None), TREE_ENV),
+                  "SGLANG_DSPARK_FOLDED_PROPOSAL": (DSPARK_TREE, {}),
+                  "SGLANG_RAGGED_VERIFY_MODE must be 'static'": (DSPARK_TREE, dict(TREE_ENV, SGLANG_RAGGED_VERIFY_MODE="compact")),
+                  "SGLANG_ENABLE_METADATA_GLUE_GRAPH": (DSPARK_TREE, dict(TREE_ENV, SGLANG_ENABLE_METADATA_GLUE_GRAPH="1")),
+                  "disaggregation_mode='decode'": (dict(DSPARK_TREE, disaggregation_mode="decode"), TREE_ENV),
+                  "--speculative-use-rejection-sampling": (dict(DSPARK_TREE, speculative_use_rejection_sampling=True), TREE_ENV),
+                  "must be >= the DSpark block size 5": (dict(DSPARK_TREE, speculative_num_draft_tokens=4), TREE_ENV),
+                  "--speculative-num-draft-tokens must be in [2, 10]": (dict(DSPARK_TREE, speculative_num_draft_tokens=16), TREE_ENV)}
+
+
+def resolve(model_path: str, env=None, **kw):
     from sglang.srt.server_args import ServerArgs
 
     args = dict(model_path=model_path, speculative_algorithm="EAGLE", speculative_num_steps=3,
                 skip_tokenizer_init=True, device="cpu", random_seed=0)
     args.update(kw)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     try:
         a = ServerArgs(**args)
         a.resolve_once()
         return {"ok": True, "resolved": {k: repr(v) for k, v in a.resolved_dict().items()}}
     except BaseException as exc:  # what SGLang's launcher would report
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def main() -> None:
@@ -86,6 +116,14 @@ def main() -> None:
     out["llama_topk4_page256"] = resolve(llama, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                                          page_size=256, disable_cuda_graph=True,
                                          speculative_draft_model_path=llama)
+    ds = dspark_dir(root)
+    out["dspark_topk1"] = resolve(ds, **DSPARK)
+    out["dspark_topk1_eager"] = resolve(ds, disable_cuda_graph=True, **DSPARK)
+    out["dspark_topk4"] = resolve(ds, env=TREE_ENV, **DSPARK_TREE)
+    out["dspark_topk4_eager"] = resolve(ds, env=TREE_ENV, disable_cuda_graph=True, **DSPARK_TREE)
+    out["dspark_topk4_default_n"] = resolve(ds, env=TREE_ENV, **dict(DSPARK_TREE, speculative_num_draft_tokens=None))
+    out["dspark_refused"] = {name: resolve(ds, env=env, **kw) for name, (kw, env) in DSPARK_REFUSED.items()}
+    out["llama_dspark_topk4"] = resolve(llama, **DSPARK_TREE)
     print("PROBE " + json.dumps(out))
 
 

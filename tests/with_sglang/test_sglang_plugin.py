@@ -39,7 +39,7 @@ def probes(tmp_path_factory):
 def test_load_plugins_applies_every_hook(probes):
     on, off = probes
     assert on["entry_points"] == ["dsv4_tree=dsv4_tree.sglang_plugin:register"]
-    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 6
+    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 12
     assert off["applied"] == []
     assert on["move_kv_cache"] and not off["move_kv_cache"]  # set by register() (the registry cannot add it)
 
@@ -84,6 +84,44 @@ def test_other_models_and_topk1_unchanged(probes):
     assert on["v4_topk1"]["ok"] and on["v4_topk1"] == off["v4_topk1"]
 
 
+def test_dspark_topk4_resolves_with_graphs_on_and_off(probes):
+    """DSPARK + topk 4 + 8 verify tokens on a DeepSeek-V4 config with a bundled DSpark (gamma 5):
+    SGLang's _handle_dspark forces topk 1 and N = gamma + 1; with the plug-in the tree's topk and N
+    stay, gamma is declared as the block size, one step; without it SGLang refuses N != gamma + 1."""
+    on, off = probes
+    for name, graphs_off in (("dspark_topk4", "False"), ("dspark_topk4_eager", "True")):
+        res = on[name]
+        assert res["ok"], (name, res)
+        r = res["resolved"]
+        assert (r["speculative_algorithm"], r["speculative_eagle_topk"], r["speculative_num_draft_tokens"],
+                r["speculative_num_steps"], r["speculative_dspark_block_size"]) == ("'DSPARK'", "4", "8", "1", "5"), r
+        assert (r["disable_cuda_graph"], r["dsv4_attn_backend"], r["page_size"]) == (graphs_off, "'flashmla'", "256")
+        assert not off[name]["ok"] and "gamma + 1" in off[name]["error"], off[name]  # SGLang's own refusal
+    default_n = on["dspark_topk4_default_n"]  # no --speculative-num-draft-tokens: gamma + 1
+    assert default_n["ok"] and default_n["resolved"]["speculative_num_draft_tokens"] == "6", default_n
+
+
+def test_dspark_topk1_resolves_as_stock_sglang(probes):
+    on, off = probes
+    for name in ("dspark_topk1", "dspark_topk1_eager"):
+        assert on[name]["ok"], on[name]
+        assert on[name] == off[name]  # every resolved argument, repr for repr
+        assert on[name]["resolved"]["speculative_eagle_topk"] == "1"
+    assert on["dspark_topk1"]["resolved"]["disable_cuda_graph"] == "False"
+    assert on["dspark_topk1_eager"]["resolved"]["disable_cuda_graph"] == "True"
+
+
+def test_dspark_tree_settings_are_refused_by_name(probes):
+    from plugin_probe import DSPARK_REFUSED
+
+    on, off = probes
+    assert sorted(on["dspark_refused"]) == sorted(DSPARK_REFUSED)
+    for named, res in on["dspark_refused"].items():
+        assert not res["ok"] and res["error"].startswith("ConfigError") and named in res["error"], (named, res)
+    # a model that is not DeepSeek-V4: SGLang's DSPARK resolution alone, as without the plug-in
+    assert on["llama_dspark_topk4"] == off["llama_dspark_topk4"]
+
+
 def settings(**kw) -> TreeServeSettings:
     base = dict(model_arch="DeepseekV4ForCausalLM", speculative_algorithm="EAGLE", topk=4, num_steps=3,
                 num_draft_tokens=8,
@@ -98,6 +136,8 @@ def settings(**kw) -> TreeServeSettings:
     ({"dsv4_attn_backend": "trtllm"}, "--dsv4-attn-backend"),
     ({"dsv4_attn_backend": "flashmla_mega"}, "--dsv4-attn-backend"),
     ({"disable_cuda_graph": False, "debug_cuda_graph": True}, "--debug-cuda-graph"),
+    ({"disable_cuda_graph": False, "metadata_glue": True}, "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 is not supported"),
+    ({"metadata_glue": True}, "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 is not supported"),
     ({"attn_cp_size": 2}, "attn_cp_size"),
     ({"dcp_size": 2}, "dcp_size"),
     ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
@@ -120,6 +160,32 @@ def test_validator_names_the_setting(change, named):
     validate_tree_settings(settings())  # the accepted configuration
     with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
         validate_tree_settings(settings(**change))
+
+
+def dspark_settings(**kw) -> TreeServeSettings:
+    return settings(**dict(dict(speculative_algorithm="DSPARK", num_steps=1, gamma=5, grammar_backend="none"), **kw))
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "deepseek_v41"}, "model_type must be one of.*'deepseek_v41'"),
+    ({"gamma": 0}, "block size \\(gamma\\) must be resolved"),
+    ({"num_steps": 2}, "--speculative-num-steps must resolve to 1"),
+    ({"num_draft_tokens": 4}, "must be >= the DSpark block size 5"),
+    ({"topk": 2, "gamma": 1, "num_draft_tokens": 4}, "needs 3 draft candidates.*at most 3"),
+    ({"attn_dp_size": 2}, "DP attention.*attn_dp_size=2"),
+    ({"grammar_backend": "xgrammar"}, "--grammar-backend none"),
+    ({"grammar_backend": None}, "--grammar-backend none"),
+    ({"unsupported": ("SGLANG_DSPARK_FOLDED_PROPOSAL (must be 0: ...)",)}, "SGLANG_DSPARK_FOLDED_PROPOSAL"),
+    ({"ragged_verify_mode": "compact"}, "SGLANG_RAGGED_VERIFY_MODE"),
+    ({"ragged_verify_mode": "cap-accept"}, "SGLANG_RAGGED_VERIFY_MODE"),
+    ({"disaggregation_mode": "prefill"}, "disaggregation_mode='prefill'"),
+    ({"metadata_glue": True}, "SGLANG_ENABLE_METADATA_GLUE_GRAPH"),
+    ({"num_draft_tokens": 16}, "--speculative-num-draft-tokens must be in \\[2, 10\\]"),
+])
+def test_dspark_validator_names_the_setting(change, named):
+    validate_tree_settings(dspark_settings())  # the accepted configuration: topk 4, gamma 5, N 8
+    with pytest.raises(ConfigError, match=named):
+        validate_tree_settings(dspark_settings(**change))
 
 
 def test_validator_accepts_exactly_the_trees_sglangs_draft_can_fill():
@@ -266,3 +332,45 @@ def test_tree_backend_builds_verify_metadata_from_the_batch_tree(monkeypatch, no
         assert torch.equal(getattr(got.core_attn_metadata, f), getattr(want.core_attn_metadata, f)), f
     with pytest.raises(StateError, match="without the batch's tree"):
         be.make_forward_metadata_from_raw_verify(raw)  # a record without the tree
+
+
+def test_an_eager_verify_without_the_tree_is_refused_by_name(monkeypatch):
+    """No silent chain fallback: an eager target verify (or an out-of-graph prep outside capture)
+    whose spec_info lacks the tree raises a StateError naming the missing fields; only SGLang's
+    graph capture and its discarded autotune forwards (batches with no tree) verify chains."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers import logits_processor
+    from sglang.srt.layers.attention import deepseek_v4_backend as dsv4
+
+    from dsv4_tree.errors import StateError
+    from dsv4_tree.sglang_plugin.backend import TreeDeepseekV4AttnBackend
+    from dsv4_tree.sglang_plugin.graph import chain_links, verify_links
+
+    be = object.__new__(TreeDeepseekV4AttnBackend)
+    be.speculative_num_draft_tokens, be._tree_links, be._tree_draft_out_cache_loc = 8, None, None
+    reached = []
+    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata", lambda self, fb: reached.append(fb))
+    monkeypatch.setattr(dsv4.DeepseekV4AttnBackend, "init_forward_metadata_out_graph",
+                        lambda self, fb, in_capture=False: reached.append(self._tree_links))
+    monkeypatch.setattr(dsv4, "_get_logical_forward_mode", lambda fb: fb.forward_mode)
+    verify = SimpleNamespace(is_target_verify=lambda: True, is_decode=lambda: False)
+    seq = torch.tensor([30, 40])
+    tree = torch.zeros(2, 8, dtype=torch.int64)
+    for spec, missing in ((SimpleNamespace(), "retrieve_next_token and retrieve_next_sibling missing"),
+                          (SimpleNamespace(retrieve_next_token=tree, retrieve_next_sibling=None),
+                           r"\(retrieve_next_sibling missing\)"),
+                          (None, "retrieve_next_token and retrieve_next_sibling missing")):
+        batch = SimpleNamespace(forward_mode=verify, out_cache_loc=None, batch_size=2, seq_lens=seq, spec_info=spec)
+        with pytest.raises(StateError, match=missing):
+            be.init_forward_metadata(batch)
+        with pytest.raises(StateError, match=missing):
+            be.init_forward_metadata_out_graph(batch, in_capture=False)
+    assert reached == [] and be._tree_links is None  # refused before SGLang's metadata build
+    batch = SimpleNamespace(forward_mode=verify, out_cache_loc=None, batch_size=2, seq_lens=seq, spec_info=None)
+    be.init_forward_metadata_out_graph(batch, in_capture=True)  # SGLang's capture batch: chains
+    assert all(torch.equal(a, b) for a, b in zip(reached.pop(), chain_links(2, 8, "cpu")))
+    with logits_processor.autotune_dummy_run_mode(run_lm_head=False):  # SGLang's discarded autotune forward
+        assert all(torch.equal(a, b) for a, b in zip(verify_links(SimpleNamespace(), 2, 8, "cpu"),
+                                                     chain_links(2, 8, "cpu")))

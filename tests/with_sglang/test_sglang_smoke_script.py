@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_probe import dsv4_dir
+from plugin_probe import dspark_dir, dsv4_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "sglang_smoke.py"
@@ -64,6 +64,36 @@ def test_dry_run_launches_pass_sglang_resolution(model):
         assert child["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 200}  # greedy
 
 
+@pytest.fixture(scope="module")
+def dspark_model(tmp_path_factory):
+    return dspark_dir(str(tmp_path_factory.mktemp("smoke_dspark")))
+
+
+def test_dspark_dry_run_launches_pass_sglang_resolution(dspark_model):
+    """--algorithm DSPARK: SGLang's DSpark chain (topk 1, N = gamma + 1 = 6), then the DSpark tree
+    (topk 4, N 8) graphed and eager, with the environment the tree step needs. DSPARK resolution
+    needs an accelerator's device name (SGLang refuses "cpu"); nothing is allocated."""
+    rc, report, err = dry_run(dspark_model, "--algorithm", "DSPARK", "--topk", "4", "--num-draft-tokens", "8",
+                              "--device", "cuda")
+    assert rc == 0, err[-3000:]
+    chain, tree, eager = report["launches"]
+    ck, tk, ek = chain["engine_kwargs"], tree["engine_kwargs"], eager["engine_kwargs"]
+    assert ck["speculative_algorithm"] == tk["speculative_algorithm"] == "DSPARK"
+    assert ck["speculative_eagle_topk"] == 1 and "speculative_num_draft_tokens" not in ck
+    assert (tk["speculative_eagle_topk"], tk["speculative_num_draft_tokens"], tk["grammar_backend"]) == (4, 8, "none")
+    assert ek == dict(tk, disable_cuda_graph=True)
+    assert chain["env"] == {"SGLANG_PLUGINS": "dsv4_tree"}
+    assert tree["env"] == eager["env"] == {"SGLANG_PLUGINS": "dsv4_tree", "SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}
+    for launch, topk, n, eager_only in ((chain, 1, 6, False), (tree, 4, 8, False), (eager, 4, 8, True)):
+        assert launch["ok"], launch
+        r = launch["resolved"]
+        assert (r["speculative_algorithm"], r["speculative_eagle_topk"], r["speculative_num_draft_tokens"],
+                r["speculative_num_steps"], r["disable_cuda_graph"]) == ("DSPARK", topk, n, 1, eager_only), r
+        # the tree's gamma, declared by the plug-in's argument hook (SGLang's chain leaves the flag unset)
+        assert r["speculative_dspark_block_size"] == (None if topk == 1 else 5) and r["dsv4_attn_backend"] == "flashmla"
+    assert "[dry-run] DSPARK topk 4, CUDA graphs (dsv4_tree tree path): accepted" in err
+
+
 def test_dry_run_refuses_what_the_validator_refuses(model):
     rc, report, _ = dry_run(model, "--num-draft-tokens", "16")
     chain, *trees = report["launches"]
@@ -77,8 +107,10 @@ def test_arguments_are_checked(tmp_path, capsys):
     mod = smoke_module()
     (tmp_path / "config.json").write_text("{}")
     a = mod.parse_args([str(tmp_path)])
-    assert (a.tp, a.topk, a.num_steps, a.num_draft_tokens, a.dry_run) == (1, 4, 3, 8, False)
+    assert (a.tp, a.topk, a.num_steps, a.num_draft_tokens, a.dry_run, a.algorithm) == (1, 4, 3, 8, False, "EAGLE")
+    assert mod.parse_args([str(tmp_path), "--algorithm", "DSPARK"]).algorithm == "DSPARK"
     for bad, named in ((["--topk", "1"], "--topk must be > 1"), (["--num-steps", "0"], "--num-steps"),
+                       (["--algorithm", "NGRAM"], "invalid choice: 'NGRAM'"),
                        (["--max-new-tokens", "0"], "--max-new-tokens")):
         with pytest.raises(SystemExit) as exc:
             mod.parse_args([str(tmp_path), *bad])

@@ -1,0 +1,149 @@
+"""One DSpark drafter's verify budget across rounds (design_notes/verify-budget.md).
+
+Chains (`chain`): SGLang 0.5.23's rule. The batch budget b comes from each request's survival
+of LAG rounds before (its confidences then; survival 1 for a request with fewer rounds behind
+it), so b never depends on this round's drafts; the shape is the b best of this round's
+survival over the batch. A position's inclusion then depends on the drafts before it only,
+which keeps speculative sampling of a drawn chain lossless; with b from this round's survival
+it would depend on the draft itself (tests/test_budget_policy.py shows the bias).
+
+Trees (`tree`): the same pick over tree nodes by value (drafters/node_values.py), budget and
+shape from this round's values: a tree is never drawn (top-K), so its values depend on committed
+state and earlier rounds only, never on a draw verify compares against.
+
+The budget maximises theta(b) against the cost table given (drafters/cost_table.py) or, with
+none, the lines `MeasuredCosts` learns from this drafter's own rounds (probing the full and the
+half budget until a batch size's line rests on two totals, then the far end every PROBE_EVERY
+rounds). `forced_nodes` (nodes per request on average, root included) replaces the choice: what
+`profile_costs` times and what an equal-nodes comparison runs. On several ranks rank 0's budget
+is every rank's (ranks.agree_choice)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ranks import agree_choice
+from .cost_table import MeasuredCosts
+from .verify_budget import SURVIVAL_EPS, BudgetChoice, budget_from_sorted, eligible, pick_nodes, survival, verify_lens
+
+LAG = 2  # rounds between a chain's confidences and the budget they set (SGLang's default relay lag)
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """A snapshot for GenerateResult.stats.depth."""
+
+    last_budget: int | None  # extra nodes the last round's batch verified (beyond its roots)
+    last_choice: BudgetChoice | None  # None: forced, probing, or no draft yet
+    lines: dict  # batch size -> (seconds at 0 nodes, seconds per node) learnt online, or None
+    table: object  # the cost table given, or None
+    value_weights: tuple | None  # the fitted node-value model (trees), None: the prior
+    rounds_observed: int
+    kind: str | None = None  # "chain" or "tree": what the last budget was for
+
+    def describe(self) -> str:
+        fit = "" if self.kind != "tree" else f"; node values {'prior' if self.value_weights is None else 'fitted'}"
+        return f"{self.kind or 'no'} budget {self.last_budget} extra nodes last round{fit}; " \
+               f"{self.rounds_observed} rounds observed"
+
+
+@dataclass
+class BudgetPolicy:
+    cap: int  # extra nodes a request may get: num_draft_tokens - 1
+    table: object = None  # a cost table; None: MeasuredCosts
+    lag: int = LAG
+    clock: object = time.perf_counter
+    costs: MeasuredCosts = field(default_factory=MeasuredCosts)
+    forced_nodes: float | None = None
+    value_weights: tuple | None = None  # set by the drafter after each round (for the state)
+    last_budget: int | None = None
+    last_choice: BudgetChoice | None = None
+    rounds_observed: int = 0
+    kind: str | None = None  # "chain" or "tree", set by the last decision
+    _history: dict = field(default_factory=dict)  # request id -> deque of its last `lag` confidence rows
+    _pending: tuple | None = None  # (start, request ids, seq lens, total nodes)
+    _start: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lag, int) or self.lag < 1:
+            raise ValueError(f"BudgetPolicy.lag must be an int >= 1, got {self.lag!r}")
+
+    def begin(self) -> None:
+        self._pending = None  # a draft nobody reported on is not timed
+        self._start = self.clock()
+
+    def forget(self, request_id: int) -> None:
+        self._history.pop(request_id, None)
+
+    # ------------------------------------------------------------------ decisions
+    def _budget(self, model, values: torch.Tensor, num_requests: int) -> int:
+        """values [n] float64 in pick order (best first) -> b in [0, n], rank 0's on every rank."""
+        n = values.numel()
+        self.last_choice = None
+        if self.forced_nodes is not None:
+            b = round((self.forced_nodes - 1) * num_requests)
+        elif self.table is not None:
+            self.last_choice = budget_from_sorted(values, num_requests, self.table)
+            b = self.last_choice.budget
+        else:
+            b = self._online(values, num_requests)
+        return agree_choice(model, max(0, min(n, b)))
+
+    def _online(self, values: torch.Tensor, r: int) -> int:
+        n, half = values.numel(), values.numel() // 2
+        line = self.costs.lines.get(r)
+        if not self.costs.ready(r):  # probe: the full budget, then half of it
+            return half if line is not None and r + n in line.samples else n
+        self.last_choice = budget_from_sorted(values, r, self.costs)
+        best = self.last_choice.budget
+        if line.probe_due():  # the far end, so the line stays anchored at both
+            line.last_probe = line.rounds
+            return half if best > half else n
+        return best
+
+    def chain(self, model, request_ids: list, confidence: torch.Tensor) -> torch.Tensor:
+        """confidence [R, gamma] of this round's drafted chains (host) -> verify lengths [R]
+        (root included): budget from the survival LAG rounds back, shape from this round's."""
+        conf = confidence.detach().to("cpu", torch.float32)
+        ones = torch.ones(conf.shape[1])
+        lagged = torch.stack([h[0] if len(h := self._history.get(rid, ())) == self.lag else ones
+                              for rid in request_ids])
+        window = survival(lagged).reshape(-1)
+        values = torch.sort(window[window >= SURVIVAL_EPS].to(torch.float64), descending=True).values
+        budget = self._budget(model, values, len(request_ids))
+        for rid, row in zip(request_ids, conf):
+            self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
+        self.last_budget, self.kind = budget, "chain"
+        return verify_lens(conf, budget)
+
+    def tree(self, model, values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool."""
+        pick = eligible(values, depths, self.cap)
+        budget = self._budget(model, pick.values, values.shape[0])
+        self.last_budget, self.kind = budget, "tree"
+        return pick_nodes(pick, tuple(values.shape), budget)
+
+    # ------------------------------------------------------------------ measurements
+    def drafted(self, requests, total_nodes: int) -> None:
+        self._pending = (self._start, [r.request_id for r in requests], [r.seq_len for r in requests], total_nodes)
+
+    def end_round(self, requests, cut=()) -> None:
+        """After commit: time the round at its total unless a request of it was cut short."""
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return
+        start, ids, lens, total = pend
+        where = {rid: i for i, rid in enumerate(ids)}
+        seen = [(where[r.request_id], r.seq_len) for r in requests if r.request_id in where]
+        if not seen or min(s - lens[i] for i, s in seen) < 1:
+            return  # not a commit of this draft
+        if not set(cut) & set(ids):
+            self.costs.add(len(ids), total, self.clock() - start)
+        self.rounds_observed += 1
+
+    def state(self) -> BudgetState:
+        return BudgetState(self.last_budget, self.last_choice, self.costs.state(), self.table, self.value_weights,
+                           self.rounds_observed, self.kind)

@@ -1,0 +1,53 @@
+"""Adaptive DSpark drafts: the batch's verify budget picks each request's chain length or tree.
+
+`adaptive_chains`: the drafted chains cut to the lengths SGLang's rule gives (budget_policy.chain).
+`budget_trees`: every request's Markov expansion valued (node_values.pool_values), the batch's
+best candidates picked under one budget (budget_policy.tree), each request's picked candidates
+made a DraftTree. Both are exact for verify like any tree; trees are never drawn."""
+from __future__ import annotations
+
+import torch
+
+from ..tree.draft_tree import DraftTree
+from .node_values import pool_values
+
+
+def adaptive_chains(policy, model, requests, chains: list, confidence: torch.Tensor) -> list:
+    """chains: the drafted DraftTrees (gamma + 1 nodes), confidence [R, gamma] -> each chain's first
+    verify-length nodes (a sampled chain keeps its draw distributions for those nodes)."""
+    lens = policy.chain(model, [r.request_id for r in requests], confidence).tolist()
+    trees = [t.first_nodes(n) for t, n in zip(chains, lens)]
+    policy.drafted(requests, sum(lens))
+    return trees
+
+
+def trees_of(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, chosen: torch.Tensor) -> tuple:
+    """anchors [R], pool tokens [R, P], parent pool ids [R, P] (-1: the root), chosen [R, P] bool
+    (ancestor-closed) -> (one DraftTree per request, each tree's pool ids [n - 1])."""
+    trees, ids = [], []
+    for r in range(chosen.shape[0]):
+        sel = chosen[r].nonzero().flatten()  # ascending: a parent's pool id is below its children's
+        local = torch.full((chosen.shape[1],), -1, dtype=torch.int64)
+        local[sel] = torch.arange(1, sel.numel() + 1)
+        par = parents[r, sel]
+        node_parent = torch.where(par < 0, torch.zeros_like(par), local[par.clamp(min=0)])
+        if bool((node_parent < 0).any()):
+            raise AssertionError("a picked candidate's parent was not picked: the pick must be ancestor-closed")
+        trees.append(DraftTree(torch.cat([anchors[r : r + 1], tokens[r, sel]]),
+                               torch.cat([torch.tensor([-1]), node_parent])))
+        ids.append(sel)
+    return trees, ids
+
+
+def budget_trees(policy, learner, model, requests, exp, anchors: torch.Tensor, topk: int) -> tuple:
+    """-> (trees, each tree's pool ids): the batch's best nodes by value under one budget."""
+    pool = pool_values(exp, learner.model, topk)
+    chosen = policy.tree(model, pool.values, pool.depths)
+    b = anchors.shape[0]
+    tokens = torch.cat([t.reshape(b, -1) for t in exp.token_list], 1).cpu()
+    with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
+        trees, ids = trees_of(anchors.cpu(), tokens, pool.parents, chosen)
+    learner.drafted(requests, tokens.numpy(), pool)
+    policy.drafted(requests, sum(t.num_nodes for t in trees))
+    policy.value_weights = learner.model.weights
+    return trees, ids

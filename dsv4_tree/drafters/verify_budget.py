@@ -1,0 +1,120 @@
+"""How many draft nodes a verify step checks, for the whole batch (design_notes/verify-budget.md).
+
+SGLang 0.5.23's confidence-scheduled DSpark verify (its `compact` ragged mode), written here for
+our engine, and its generalisation from chain positions to tree nodes:
+
+* survival a_{r,j} = prod_{i<=j} c_{r,i}: the confidence head's chance that request r's draft j
+  and every draft before it are accepted (`survival`);
+* the batch budget b (extra verify tokens beyond each request's root) maximises
+  theta(b) = tau*(b) / seconds(R + b), tau*(b) = R + the sum of the b best candidate values
+  over the whole batch, seconds from a measured cost table (`choose_budget`; drafters/cost_table.py);
+* the shape: the b best candidates of the batch, in one order that does not depend on how the
+  values compare beyond ties: value descending, then depth, then request, then candidate id
+  (`verify_lens` for chains, `pick_nodes` for trees). A candidate's value never exceeds its
+  parent's and its depth is larger, so every pick is ancestor-closed.
+
+Pure functions of tensors (CPU, float64 where values are summed or compared), no state; the
+policy that feeds them lagged or current values lives in drafters/budget_policy.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SURVIVAL_EPS = 1e-6  # candidates worth less never count (SGLang's DSparkScheduleConfig.survival_eps)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """One budget decision: b extra nodes for the batch, the predicted seconds of the step and theta."""
+
+    budget: int
+    seconds: float | None
+    theta: float
+
+
+def survival(confidence: torch.Tensor) -> torch.Tensor:
+    """confidence [R, gamma] (c_j: draft j survives given drafts < j did) -> cumulative product, fp32."""
+    return torch.cumprod(confidence.to(torch.float32), dim=1)
+
+
+def budget_from_sorted(values: torch.Tensor, num_requests: int, table) -> BudgetChoice:
+    """values [n] float64, best first: the candidates a budget of b takes are the first b.
+    -> the b in [0, n] maximising tau*(b) against the table's price of R + b verify tokens."""
+    tau = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values, 0)])
+    theta, seconds = table.theta(tau, num_requests)
+    best = int(torch.argmax(theta))  # the first maximum: the smallest budget among equals
+    return BudgetChoice(best, None if seconds is None else float(seconds[best]), float(theta[best]))
+
+
+def choose_budget(survival_probs: torch.Tensor, table, max_len: int | None = None,
+                  eps: float = SURVIVAL_EPS) -> BudgetChoice:
+    """SGLang's chain budget: survival_probs [R, gamma] (lagged, for a chain: see budget_policy);
+    candidates are the first max_len columns (default gamma + 1, i.e. all) worth >= eps."""
+    r, gamma = survival_probs.shape
+    window = survival_probs[:, : (max_len or gamma + 1)].reshape(-1)
+    values = window[window >= eps].to(torch.float64)
+    return budget_from_sorted(torch.sort(values, descending=True).values, r, table)
+
+
+def pick_order(values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """values [R, P], depths [P] -> flat indices r * P + c of every candidate, in pick order:
+    value descending, then depth, then request, then candidate id. Successive stable sorts,
+    least significant key first."""
+    r, p = values.shape
+    flat_v = values.reshape(-1).to(torch.float64)
+    flat_d = depths.reshape(1, p).expand(r, p).reshape(-1)
+    order = torch.arange(r * p)  # request-major: request, then candidate id, already in order
+    order = order[torch.argsort(flat_d[order], stable=True)]
+    return order[torch.argsort(-flat_v[order], stable=True)]
+
+
+def verify_lens(confidence: torch.Tensor, budget: int, min_len: int = 1, max_len: int | None = None,
+                eps: float = SURVIVAL_EPS) -> torch.Tensor:
+    """SGLang's chain shape: the `budget` best of this step's survival over the whole batch.
+    confidence [R, gamma] -> verify length per request (root included) [R] int64, in
+    [max(min_len, 1), max_len] (default gamma + 1)."""
+    r, gamma = confidence.shape
+    top = max_len or gamma + 1
+    window = survival(confidence)[:, :top].to(torch.float64)
+    cols = window.shape[1]
+    valid = window >= eps
+    masked = torch.where(valid, window, torch.full_like(window, float("-inf")))
+    order = pick_order(masked, torch.arange(cols))[: min(int(budget), r * cols)]
+    chosen = valid.reshape(-1)[order].to(torch.int64)  # an invalid candidate takes a slot, adds nothing
+    extra = torch.zeros(r, dtype=torch.int64).index_add_(0, order // cols, chosen)
+    return (min_len + extra).clamp(min=max(min_len, 1), max=top)
+
+
+@dataclass(frozen=True)
+class NodePick:
+    """The eligible candidates of a batch in pick order, and how many a budget takes."""
+
+    order: torch.Tensor  # [n] flat indices r * P + c, eligible only (valid, within each request's cap)
+    values: torch.Tensor  # [n] float64, their values
+
+
+def eligible(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float = SURVIVAL_EPS) -> NodePick:
+    """values [R, P] candidate values (ancestor-monotone), depths [P], cap: extra nodes a request
+    may get (num_draft_tokens - 1) -> the candidates in pick order that a budget may take: worth
+    >= eps and among their request's first `cap` in that order (a request at its cap takes no
+    more; its later candidates are all descendants or worse, so the pick stays ancestor-closed)."""
+    r, p = values.shape
+    order = pick_order(values, depths)
+    flat = values.reshape(-1).to(torch.float64)[order]
+    req = order // p
+    # each candidate's rank within its own request, in pick order
+    by_req = torch.argsort(req, stable=True)
+    counts = torch.bincount(req, minlength=r)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[by_req] = torch.arange(order.numel()) - starts[req[by_req]]
+    keep = (flat >= eps) & (rank < cap)
+    return NodePick(order[keep], flat[keep])
+
+
+def pick_nodes(pick: NodePick, shape: tuple, budget: int) -> torch.Tensor:
+    """The first `budget` eligible candidates -> chosen mask [R, P] bool."""
+    mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool)
+    mask[pick.order[: max(0, int(budget))]] = True
+    return mask.view(shape)
