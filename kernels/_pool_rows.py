@@ -21,6 +21,7 @@ import triton.language as tl
 from dsv4_tree.errors import InputError
 
 from ._launch import FLOATS
+from ._dot import operand
 
 FLOAT_ROWS, KV_RECORD, INDEX_KEY_RECORD = 0, 1, 2
 
@@ -41,6 +42,19 @@ class PoolFormat:
 
     def kernel_args(self) -> tuple:
         return (self.storage, self.page_size, self.page_bytes, self.data_bytes, self.scale_bytes, self.fp8_dim, self.tile)
+
+
+def bf16_rows(fmt: PoolFormat, one_scale: bool = False) -> bool:
+    """Whether a kernel may feed the pool's rows to a bf16 dot without rounding them: bf16 rows,
+    or V4 KV records (e4m3 code x 2^(byte - 127): at most 4 significant bits, exact in bf16). An
+    index-key record's float32 scale is not assumed a power of two: with one_scale, a record
+    whose one scale block covers the key qualifies (the dot takes the e4m3 codes, exact in bf16,
+    and the caller applies the scale to the dot's result: `load_index_codes`)."""
+    if fmt.fmt == FLOAT_ROWS:
+        return fmt.storage.dtype == torch.bfloat16
+    if fmt.fmt == KV_RECORD:
+        return True
+    return one_scale and fmt.tile >= fmt.head_dim
 
 
 def pool_format(name: str, pool) -> PoolFormat:
@@ -130,3 +144,33 @@ def _load_records(ptr, s, lane, rd, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, F
     at = data + FP8_DIM + 2 * (rd[None, :] - FP8_DIM)
     bf = ((_bytes_at(ptr, at, bf_lane) | (_bytes_at(ptr, at + 1, bf_lane) << 8)) << 16).to(tl.float32, bitcast=True)
     return tl.where(bf_lane, bf, vals)
+
+
+@triton.jit
+def load_index_codes(ptr, slots, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES):
+    """Indexer-key records whose one float32 scale block covers the whole key (block >= D):
+    the e4m3 values unscaled [R, BD] (exact in bf16) and each row's scale [R] (0 where not ok),
+    so a dot can take the codes and apply the scale to its result: key . q = scale x (code . q)."""
+    s = tl.where(ok, slots, 0).to(tl.int64)
+    page_base = (s // PAGE) * PAGE_BYTES
+    off = s % PAGE
+    lane = ok[:, None] & (rd[None, :] < D)
+    code = _bytes_at(ptr, (page_base + off * DATA_BYTES)[:, None] + rd[None, :], lane)
+    at = page_base + PAGE * DATA_BYTES + off * SCALE_BYTES
+    bits = (_bytes_at(ptr, at, ok) | (_bytes_at(ptr, at + 1, ok) << 8) | (_bytes_at(ptr, at + 2, ok) << 16)
+            | (_bytes_at(ptr, at + 3, ok) << 24))
+    return tl.where(lane, _e4m3_to_f32(code), 0.0), tl.where(ok, bits.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def dot_keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT: tl.constexpr,
+             MMA: tl.constexpr, CODES: tl.constexpr):
+    """A key tile [BC, BD] as a dot operand (`_dot.operand`) and each key's factor [BC] for its
+    dots: 1 (0 where not ok), or with CODES an FP8 index key's block scale (the dot takes the
+    exact e4m3 values; the caller multiplies the dot by the factor)."""
+    if CODES:
+        keys, kscale = load_index_codes(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+    else:
+        keys = load_pool_rows(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
+        kscale = tl.where(ok, 1.0, 0.0)
+    return operand(keys, MMA), kscale

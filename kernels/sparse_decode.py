@@ -7,9 +7,12 @@ then the one into the extra pool (C4 / C128 entries), `BK` slots per step and on
 length; each tile of K=V rows is read straight from pool storage (FP8 records dequantised in the
 kernel, `_pool_rows.py`), folded in with an online softmax, and the sink is merged at the end:
 out = acc / (l + e^(sink - m)),  lse = m + log(l) (real keys only; +inf for a row with no key).
-Dots take fp32 inputs with `input_precision="ieee"` (never TF32), whatever the storage dtype: keys
-are dequantised to fp32 and bf16 queries widened (bf16 dot inputs would be exact for bf16 / FP8
-pools, but the interpreter's bf16 tl.dot is wrong in triton 3.9, so that path could not be tested).
+Dots (`_dot.py`): with MMA (bf16 queries over bf16 or FP8 pools, whose values are exact in bf16)
+QK and PV are bf16 tensor-core dots with fp32 accumulation, the softmax weights P rounded to bf16
+as a bf16 model's attention rounds them (the one rounding this form adds: relative 2^-9 per weight);
+otherwise fp32 inputs with `input_precision="ieee"` (never TF32). A tile holds at most 16 (row,
+head) pairs at head_dim 512 (64 at 128 and below), so the fp32 accumulator [pairs, head_dim] stays
+in registers (`_pairs`).
 Nothing here synchronises the host: every size comes from a tensor shape.
 Reference: dsv4_tree.reference.sparse_decode.ref_sparse_decode."""
 from __future__ import annotations
@@ -20,15 +23,16 @@ import triton.language as tl
 
 from dsv4_tree.errors import InputError
 
+from ._dot import dot, operand
 from ._launch import FLOATS, INDEX, check, check_device, check_scale, pow2
 from ._meta import on_meta
-from ._pool_rows import PoolFormat, load_pool_rows, pool_format
+from ._pool_rows import PoolFormat, bf16_rows, load_pool_rows, pool_format
 
 
 @triton.jit
 def _attend(q, m_i, l_i, acc, cell0, t0, rows_ptr, N, m_row, idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES,
             SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT: tl.constexpr, GROUPED: tl.constexpr, BR: tl.constexpr,
-            BK: tl.constexpr):
+            BK: tl.constexpr, MMA: tl.constexpr):
     """Fold the per-row index lists of one pool into the running (m, l, acc) of the tile's BM
     (row, head) pairs: BK keys of each of the tile's BR rows per step, a row's keys masked out of
     the other rows' logits (BR = 1 without a shared list). Grouped: the tile's rows are
@@ -48,21 +52,23 @@ def _attend(q, m_i, l_i, acc, cell0, t0, rows_ptr, N, m_row, idx_ptr, len_ptr, K
         ok = idx >= 0
         kv = load_pool_rows(kv_ptr, idx, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, FMT)
         mine = ok[None, :] & (m_row[:, None] == c_row[None, :])
-        m_i, l_i, acc = _fold(q, kv, mine, m_i, l_i, acc, scale)
+        m_i, l_i, acc = _fold(q, kv, mine, m_i, l_i, acc, scale, MMA)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _fold(q, kv, mine, m_i, l_i, acc, scale):
-    """One online-softmax step over a key tile kv [BC, BD] (mine [BM, BC]: which keys each query sees)."""
-    logits = tl.dot(q, tl.trans(kv), input_precision="ieee")
+def _fold(q, kv, mine, m_i, l_i, acc, scale, MMA: tl.constexpr):
+    """One online-softmax step over a key tile kv [BC, BD] (mine [BM, BC]: which keys each query
+    sees); q is already a dot operand (`operand(., MMA)`)."""
+    kv = operand(kv, MMA)
+    logits = dot(q, tl.trans(kv), MMA)
     logits = tl.where(mine, logits * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on rows without keys yet
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(logits - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+    acc = acc * alpha[:, None] + dot(operand(p, MMA), kv, MMA)
     return m_new, l_i, acc
 
 
@@ -73,7 +79,7 @@ def _sparse_decode_kernel(
     xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE,
     rows_ptr, N, G, spages_ptr, slen_ptr, SCP, SEPP,
     FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr, GROUPED: tl.constexpr,
-    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, MMA: tl.constexpr,
 ):
     # program (row t, head block) without a shared list; (request b x row group, head block) with
     # one: its tile holds BH heads of each of BR rows of the request (all of a tree's rows up to
@@ -92,16 +98,16 @@ def _sparse_decode_kernel(
     live = (t_m >= 0) & (rh < H)
     qrow = tl.where(live, t_m, 0) * H + rh
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=live[:, None] & (rd[None, :] < D), other=0.0)
-    q = q.to(tl.float32)
+    q = operand(q, MMA)
     m_i = tl.full((BR * BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BR * BH,), tl.float32)
     acc = tl.zeros((BR * BH, BD), tl.float32)
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, b * N + r0, pid, rows_ptr, N - r0, m_row, idx_ptr, len_ptr, K, kv_ptr, PAGE,
-                            PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, GROUPED, BR, BK)
+                            PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE, D, scale, rd, FMT, GROUPED, BR, BK, MMA)
     if HAS_EXTRA:
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, b * N + r0, pid, rows_ptr, N - r0, m_row, xidx_ptr, xlen_ptr, XK, xkv_ptr,
                                 XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE, D, scale, rd, XFMT,
-                                GROUPED, BR, BK)
+                                GROUPED, BR, BK, MMA)
     if GROUPED:  # the request's shared entries (extra pool), through its entry page table
         n_sh = tl.load(slen_ptr + b).to(tl.int32)
         for j0 in range(0, n_sh, BS):
@@ -111,7 +117,7 @@ def _sparse_decode_kernel(
             ok = ok & (page >= 0)
             kv = load_pool_rows(xkv_ptr, page * SEPP + j % SEPP, ok, rd, D, XPAGE, XPAGE_BYTES, XDATA_BYTES,
                                 XSCALE_BYTES, XFP8_DIM, XTILE, XFMT)
-            m_i, l_i, acc = _fold(q, kv, ok[None, :] & live[:, None], m_i, l_i, acc, scale)
+            m_i, l_i, acc = _fold(q, kv, ok[None, :] & live[:, None], m_i, l_i, acc, scale, MMA)
     sink = tl.load(sink_ptr + rh, mask=rh < H, other=0.0).to(tl.float32)
     m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i + tl.exp(sink - m_ref)
@@ -120,6 +126,13 @@ def _sparse_decode_kernel(
     tl.store(out_ptr + qrow[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
              mask=live[:, None] & (rd[None, :] < D))
     tl.store(lse_ptr + qrow, lse, mask=live)
+
+
+def _pairs(bd: int) -> int:
+    """(row, head) pairs per tile: the fp32 accumulator [pairs, bd] at most 8192 values (64 per
+    thread of 4 warps) and at most 64 pairs: 16 at head_dim 512 (without the cap the grouped
+    path's 64 x 512 accumulator spills at every V4 shape), 64 at 128 and below."""
+    return max(16, min(64, 8192 // bd))
 
 
 def _check_table(name: str, idx: torch.Tensor, len_name: str, lengths: torch.Tensor, rows: int) -> None:
@@ -196,7 +209,9 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
     n = req_rows.shape[1] if grouped else 1
     br = min(pow2(n, 1), 16) if grouped else 1
     groups = -(-n // br)
-    bh = 16 if not grouped else max(min(pow2(h, 1), max(1, 64 // br)), -(-16 // br))  # tl.dot: M >= 16
+    pairs = _pairs(pow2(d))
+    bh = 16 if not grouped else max(min(pow2(h, 1), max(1, pairs // br)), -(-16 // br))  # tl.dot: M >= 16
+    mma = q.dtype == torch.bfloat16 and bf16_rows(main) and (not has_extra or bf16_rows(extra))
     bk = max(1, 16 // br)  # keys per row and step: a tile of max(16, BR) columns
     grid = (req_rows.shape[0] * groups if grouped else t, triton.cdiv(h, bh))
     _sparse_decode_kernel[grid](
@@ -204,5 +219,6 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
         indices, lengths, indices.shape[1], *main.kernel_args(),
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
         req_rows, n, groups, shared_pages, shared_len, shared_pages.shape[1], int(shared_per_page),
-        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d))
+        FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d), MMA=mma,
+        num_warps=8 if d > 256 else 4, num_stages=2 if d > 256 else 3)  # head_dim 512: 4 warps or 3 stages spill
     return out, lse

@@ -4,21 +4,26 @@
                                            req_rows, scale, topk)
 
 One program per request (per group of 16 of its rows when it has more: prefill chunks). Its
-tile holds every row of the request and every index head (M = N x HI); each tile of the request's committed indexer keys (read through the entry page
-table, FP8 records dequantised in registers, `_pool_rows.py`) is loaded once and scored for all
-rows and heads: dot, ReLU, head weights and the head sum stay in registers. Scores never reach
-memory: each row keeps a running top-k as packed int64 keys (score bits made order-preserving in
-the high word, `2^31 - 1 - column` in the low word), so a descending sort is the tie rule itself:
-higher score first, then the earlier column (block order: committed entries 0..C-1, then the
-row's branch entries C..C+Kb-1). A chunk of KP candidates is merged into the KP kept ones with
-one bitonic top-KP of their union (KP = the power of two above k, so the (k+1)-th best, which
-decides the tie flag, is kept too). After the committed chunks, each row's own branch keys
-(the only keys rows do not share) are scored and merged the same way, up to KP per merge; then the kept columns
-are mapped to entry slots and written: selected [T, k], lengths [T], ties [T], and the selected
-scores [T, k]. No [T, C] score tensor exists at any point.
+dot tile holds every row of the request and BH index heads (M = BN x BH, 64 for the tensor-core
+form); each tile of BC request's committed indexer keys (read through the entry page table) is
+loaded once and scored for all rows and heads: dot, ReLU, head weights and the head sum stay in
+registers. Each score is packed into an int64 key (score bits made order-preserving in the high
+word, `2^31 - 1 - column` in the low word), so a descending sort is the tie rule itself: higher
+score first, then the earlier column (block order: committed entries 0..C-1, then the row's
+branch entries C..C+Kb-1). Each row keeps its best KP keys (KP = the power of two above k, so the
+(k+1)-th best, which decides the tie flag, is kept too) in a [2 KP] buffer in global memory: keys
+above the row's threshold (its KP-th best) are appended to the incoming half; when a row could
+overflow, and after the last tile, incoming and kept merge (`_best`: one sort and one bitonic
+merge) and the threshold rises. Shared memory and code size do not depend on KP or N. After the
+committed tiles, each row's own branch keys (the only keys rows do not share) are scored the same
+way, BC / BN per row per tile; then the kept columns are mapped to entry slots and written:
+selected [T, k], lengths [T], ties [T], and the selected scores [T, k]. No [T, C] score tensor
+exists at any point.
 
-Dots take fp32 inputs with `input_precision="ieee"` (never TF32). Rows of no request (padding)
-are read by no program: their outputs stay -1 / 0.
+Dots (`_dot.py`): bf16 tensor-core dots with fp32 accumulation for bf16 queries over keys exact in
+bf16 (the e4m3 codes of an FP8 index key, its block scale applied to the dot), else fp32 inputs
+with `input_precision="ieee"` (never TF32). Rows of no request (padding) are read by no program:
+their outputs stay -1 / 0.
 Reference: dsv4_tree.reference.indexer_topk.ref_indexer_topk (ref_indexer_paged_scores +
 ref_indexer_gather_scores + the tie rule)."""
 from __future__ import annotations
@@ -32,7 +37,8 @@ from dsv4_tree.errors import InputError
 
 from ._launch import INDEX, check, check_device, check_index_query, pow2
 from ._meta import on_meta
-from ._pool_rows import load_pool_rows, pool_format
+from ._dot import INTERPRETED, dot, operand
+from ._pool_rows import INDEX_KEY_RECORD, bf16_rows, dot_keys, pool_format
 
 NO_KEY = -9223372036854775807  # below every packed key of a finite score
 
@@ -56,107 +62,160 @@ def _unpack(key):
 
 
 @triton.jit
-def _merge(kept, cand, KP: tl.constexpr, BN: tl.constexpr):
-    """Best KP of two [BN, KP] key sets, sorted best first."""
-    return tl.topk(tl.reshape(tl.join(kept, cand), (BN, 2 * KP)), KP)
-
-
-@triton.jit
-def _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, H, D, rd, BN: tl.constexpr, BH: tl.constexpr,
-              BCOL: tl.constexpr):
-    """sum_h w[row, h] * relu(q[row, h] . key) for every (row, key column): keys [BCOL, BD] ->
-    [BN, BCOL] (scale not applied). Heads in chunks of BH: M = BN x BH per dot."""
+def _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, kscale, H, D, rd, BN: tl.constexpr, BH: tl.constexpr,
+              BC: tl.constexpr, MMA: tl.constexpr):
+    """sum_h w[row, h] * relu(q[row, h] . key) for every (row, key column): keys [BC, BD] ->
+    [BN, BC] (scale not applied). Heads in chunks of BH: M = BN x BH per dot."""
     rm = tl.arange(0, BN * BH)
-    m_row = rm // BH
     t_m = tl.reshape(tl.broadcast_to(row_t[:, None], (BN, BH)), (BN * BH,))
     ok_m = tl.reshape(tl.broadcast_to(rn_ok[:, None], (BN, BH)), (BN * BH,))
-    s = tl.zeros((BN, BCOL), tl.float32)
+    kt = tl.trans(keys)
+    s = tl.zeros((BN, BC), tl.float32)
     for h0 in range(0, H, BH):
         h = h0 + rm % BH
         live = ok_m & (h < H)
         qrow = tl.where(live, t_m, 0).to(tl.int64) * H + h
         q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=live[:, None] & (rd[None, :] < D), other=0.0)
         w = tl.load(w_ptr + qrow, mask=live, other=0.0).to(tl.float32)
-        dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")  # [BN*BH, BCOL]
+        dots = dot(operand(q, MMA), kt, MMA) * kscale[None, :]  # [BN*BH, BC]
         part = tl.maximum(dots, 0.0) * w[:, None]
-        s += tl.sum(tl.reshape(part, (BN, BH, BCOL)), axis=1)
+        s += tl.sum(tl.reshape(part, (BN, BH, BC)), axis=1)
     return s
 
 
 @triton.jit
+def _best_network(kept, incoming, KP: tl.constexpr):
+    """The best KP of kept [KP] (sorted, best first) and incoming [KP] (any order), sorted best
+    first: incoming sorted ascending against kept descending, the elementwise max holds the best
+    KP of the union as a bitonic sequence, which one bitonic merge sorts (no sort of 2 KP keys)."""
+    return tl.bitonic_merge(tl.maximum(kept, tl.sort(incoming)), descending=True)
+
+
+@triton.jit
+def _best_rank(kept, incoming, KP: tl.constexpr):
+    """_best_network's result by counting each key's rank in the union (ties by position, for the
+    repeated empty keys): O(KP^2) work, for the interpreter, which runs Triton's sort network one
+    Python reduction per element (~0.5 s per sort at KP = 16)."""
+    both = tl.reshape(tl.join(kept, incoming), (2 * KP,))
+    i = tl.arange(0, 2 * KP)
+    above = (both[None, :] > both[:, None]) | ((both[None, :] == both[:, None]) & (i[None, :] < i[:, None]))
+    rank = tl.sum(above.to(tl.int32), axis=1)
+    return tl.sum(tl.where(rank[None, :] == tl.arange(0, KP)[:, None], both[None, :], 0), axis=1)
+
+
+@triton.jit
+def _best(kept, incoming, KP: tl.constexpr):
+    """The network on a GPU, the rank count in the interpreter: the same keys
+    (tests/test_indexer_topk.py runs both under the interpreter)."""
+    if INTERPRETED:
+        return _best_rank(kept, incoming, KP)
+    else:
+        return _best_network(kept, incoming, KP)
+
+
+@triton.jit
+def _merge_rows(buf_ptr, row_t, thr, BN: tl.constexpr, KP: tl.constexpr):
+    """Per row: kept <- the best KP of kept (sorted, best first) and the row's incoming keys;
+    incoming emptied. Returns each row's new threshold (its KP-th best key)."""
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, KP)
+    tl.debug_barrier()  # every thread's appends are in memory
+    for n in range(BN):
+        t = tl.sum(tl.where(rn == n, row_t, 0), axis=0)  # its packed row (-1: padding)
+        if t >= 0:
+            base = buf_ptr + t * (2 * KP)
+            top = _best(tl.load(base + rk), tl.load(base + KP + rk), KP)
+            tl.debug_barrier()  # all reads of this row done before it is rewritten
+            tl.store(base + rk, top)
+            tl.store(base + KP + rk, tl.full((KP,), -9223372036854775807, tl.int64))
+            thr = tl.where(rn == n, tl.min(top, axis=0), thr)
+    tl.debug_barrier()  # the emptied incoming regions are in memory before new appends
+    return thr
+
+
+@triton.jit
 def _indexer_topk_kernel(q_ptr, w_ptr, pages_ptr, elen_ptr, branch_ptr, rows_ptr, sel_ptr, len_ptr, tie_ptr,
-                         score_ptr, H, D, N, G, CP, EPP, KB, K, scale, tie_margin,
+                         score_ptr, buf_ptr, H, D, N, G, CP, EPP, KB, K, scale, tie_margin,
                          k_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-                         FMT: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr,
-                         KP: tl.constexpr, BKB: tl.constexpr, BD: tl.constexpr):
+                         FMT: tl.constexpr, MMA: tl.constexpr, CODES: tl.constexpr, BN: tl.constexpr,
+                         BH: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // G
     r0 = (pid % G) * BN  # the program's rows: req_rows[b, r0 : r0 + BN]
     rn = tl.arange(0, BN)
     rd = tl.arange(0, BD)
+    rc = tl.arange(0, BC)
     row_t = tl.load(rows_ptr + b * N + r0 + rn, mask=r0 + rn < N, other=-1).to(tl.int64)
     rn_ok = row_t >= 0
+    row_buf = buf_ptr + tl.where(rn_ok, row_t, 0) * (2 * KP)  # each row's kept [0, KP) and incoming [KP, 2 KP) keys
+    for c0 in range(0, 2 * KP, BC):
+        tl.store(row_buf[:, None] + c0 + rc[None, :], -9223372036854775807, mask=rn_ok[:, None])
     n_e = tl.load(elen_ptr + b).to(tl.int32)
     c_width = CP * EPP
-    kept = tl.full((BN, KP), -9223372036854775807, tl.int64)
-    sub = tl.arange(0, KP // BC)
-    # committed entries: KP candidates per chunk, BC keys per tile, each tile read once for all rows
-    for c0 in range(0, n_e, KP):
-        chunk = tl.full((BN, KP // BC, BC), -9223372036854775807, tl.int64)
-        for j in tl.static_range(KP // BC):
-            cols = c0 + j * BC + tl.arange(0, BC)
-            ok = cols < n_e
-            page = tl.load(pages_ptr + b * CP + cols // EPP, mask=ok, other=-1).to(tl.int64)
-            ok = ok & (page >= 0)
-            keys = load_pool_rows(k_ptr, page * EPP + cols % EPP, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES,
-                                  SCALE_BYTES, FP8_DIM, TILE, FMT)
-            s = _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, H, D, rd, BN, BH, BC) * scale
-            key = _pack(s, cols[None, :], ok[None, :] & rn_ok[:, None])
-            chunk = tl.where(sub[None, :, None] == j, key[:, None, :], chunk)
-        kept = _merge(kept, tl.reshape(chunk, (BN, KP)), KP, BN)
-    # each row's own branch entries (columns C + j), BKB per row at a time: all rows' keys in one
-    # tile, each row keeps its own
-    rc = tl.arange(0, BN * BKB)
-    c_row = rc // BKB
-    t_c = tl.reshape(tl.broadcast_to(row_t[:, None], (BN, BKB)), (BN * BKB,))
-    own = rn[:, None] == c_row[None, :]
-    bsub = tl.arange(0, KP // BKB)
-    for j0 in range(0, KB, BKB):
-        c_j = j0 + rc % BKB
-        ok_c = (t_c >= 0) & (c_j < KB)
-        slot_c = tl.load(branch_ptr + tl.where(ok_c, t_c, 0) * KB + c_j, mask=ok_c, other=-1).to(tl.int64)
-        ok_c = ok_c & (slot_c >= 0)
-        bkeys = load_pool_rows(k_ptr, slot_c, ok_c, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-                               FMT)
-        s_all = _head_sum(q_ptr, w_ptr, row_t, rn_ok, bkeys, H, D, rd, BN, BH, BN * BKB) * scale  # [BN, BN*BKB]
-        s_own = tl.sum(tl.reshape(tl.where(own, s_all, 0.0), (BN, BN, BKB)), axis=1)  # [BN, BKB]
-        ok_own = tl.sum(tl.reshape(tl.where(own & ok_c[None, :], 1, 0), (BN, BN, BKB)), axis=1) > 0
-        bkey = _pack(s_own, c_width + j0 + tl.arange(0, BKB)[None, :], ok_own)
-        bchunk = tl.where(bsub[None, :, None] == 0, bkey[:, None, :], -9223372036854775807)
-        kept = _merge(kept, tl.reshape(bchunk, (BN, KP)), KP, BN)
-    # the first K kept columns -> entry slots; the (K+1)-th decides the tie flag
+    BKB: tl.constexpr = BC // BN  # branch tiles: BKB own keys of each of the BN rows
+    c_row = rc // BKB  # a branch tile column's row
+    n_ct = tl.cdiv(n_e, BC)
+    n_tiles = n_ct + tl.cdiv(KB, BKB)
+    thr = tl.full((BN,), -9223372036854775807, tl.int64)  # a key must beat the row's KP-th best kept
+    cnt = tl.zeros((BN,), tl.int32)  # keys in the row's incoming region
+    # tiles of BC columns: the request's committed keys (read once for all its rows), then the rows'
+    # own branch keys; every key above its row's threshold is appended; a merge when a row could
+    # overflow, and one after the last tile
+    for i in range(0, n_tiles + 1):
+        per_row = tl.where(i < n_ct, BC, BKB)  # the most keys this tile can add to a row
+        if (i == n_tiles) | (tl.max(cnt, axis=0) > KP - per_row):
+            thr = _merge_rows(buf_ptr, row_t, thr, BN, KP)
+            cnt = tl.zeros((BN,), tl.int32)
+        if i < n_tiles:
+            if i < n_ct:
+                col = i * BC + rc
+                ok = col < n_e
+                e_page = tl.load(pages_ptr + b * CP + col // EPP, mask=ok, other=-1).to(tl.int64)
+                ok = ok & (e_page >= 0)
+                slot = e_page * EPP + col % EPP
+                owner = tl.full((BC,), -1, tl.int32)
+            else:
+                own_j = (i - n_ct) * BKB + rc % BKB
+                t_c = tl.load(rows_ptr + b * N + r0 + c_row, mask=r0 + c_row < N, other=-1).to(tl.int64)
+                ok = (t_c >= 0) & (own_j < KB)
+                slot = tl.load(branch_ptr + tl.where(ok, t_c, 0) * KB + own_j, mask=ok, other=-1).to(tl.int64)
+                ok = ok & (slot >= 0)
+                col = c_width + own_j
+                owner = c_row
+            keys, kscale = dot_keys(k_ptr, slot, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
+                                 FMT, MMA, CODES)
+            s = _head_sum(q_ptr, w_ptr, row_t, rn_ok, keys, kscale, H, D, rd, BN, BH, BC, MMA) * scale
+            mine = ok[None, :] & rn_ok[:, None] & ((owner[None, :] < 0) | (owner[None, :] == rn[:, None]))
+            key = _pack(s, col[None, :], mine)
+            take = key > thr[:, None]
+            pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+            tl.store(row_buf[:, None] + KP + pos, key, mask=take)
+            cnt += tl.sum(take.to(tl.int32), axis=1)
+    # each row's first K kept columns -> entry slots; the (K+1)-th decides the tie flag
     rk = tl.arange(0, KP)
-    score, col = _unpack(kept)
-    valid = (kept != -9223372036854775807) & (rk[None, :] < K)
-    committed = col < c_width
-    cc = tl.where(valid & committed, col, 0)
-    page = tl.load(pages_ptr + b * CP + cc // EPP, mask=valid & committed, other=0).to(tl.int64)
-    bc = tl.where(valid & ~committed, col - c_width, 0)
-    t2 = tl.where(rn_ok, row_t, 0)[:, None]
-    own_slot = tl.load(branch_ptr + t2 * KB + bc, mask=valid & ~committed, other=-1).to(tl.int64)
-    slot = tl.where(committed, page * EPP + cc % EPP, own_slot)
-    out_ok = rn_ok[:, None] & (rk[None, :] < K)
-    tl.store(sel_ptr + t2 * K + rk[None, :], tl.where(valid, slot, -1), mask=out_ok)
-    tl.store(score_ptr + t2 * K + rk[None, :], tl.where(valid, score, float("-inf")), mask=out_ok)
-    edge_key = tl.sum(tl.where(rk[None, :] == K - 1, kept, 0), axis=1)
-    next_key = tl.sum(tl.where(rk[None, :] == K, kept, 0), axis=1)
-    edge, _ = _unpack(edge_key)
-    nxt, _ = _unpack(next_key)
-    gap = tie_margin * tl.maximum(tl.abs(edge), tl.abs(nxt))
-    tie = (next_key != -9223372036854775807) & ((edge - nxt) <= gap)
-    t1 = tl.where(rn_ok, row_t, 0)
-    tl.store(len_ptr + t1, tl.sum(valid.to(tl.int64), axis=1), mask=rn_ok)
-    tl.store(tie_ptr + t1, tie.to(tl.int64), mask=rn_ok)
+    for n in range(BN):
+        t = tl.sum(tl.where(rn == n, row_t, 0), axis=0)  # its packed row (-1: padding)
+        if t >= 0:
+            kept = tl.load(buf_ptr + t * (2 * KP) + rk)
+            score, col = _unpack(kept)
+            valid = (kept != -9223372036854775807) & (rk < K)
+            committed = col < c_width
+            cc = tl.where(valid & committed, col, 0)
+            page = tl.load(pages_ptr + b * CP + cc // EPP, mask=valid & committed, other=0).to(tl.int64)
+            bc = tl.where(valid & ~committed, col - c_width, 0)
+            own_slot = tl.load(branch_ptr + t * KB + bc, mask=valid & ~committed, other=-1).to(tl.int64)
+            slot = tl.where(committed, page * EPP + cc % EPP, own_slot)
+            out_ok = rk < K
+            tl.store(sel_ptr + t * K + rk, tl.where(valid, slot, -1), mask=out_ok)
+            tl.store(score_ptr + t * K + rk, tl.where(valid, score, float("-inf")), mask=out_ok)
+            edge_key = tl.sum(tl.where(rk == K - 1, kept, 0), axis=0)
+            next_key = tl.sum(tl.where(rk == K, kept, 0), axis=0)
+            edge, _ = _unpack(edge_key)
+            nxt, _ = _unpack(next_key)
+            gap = tie_margin * tl.maximum(tl.abs(edge), tl.abs(nxt))
+            tie = (next_key != -9223372036854775807) & ((edge - nxt) <= gap)
+            tl.store(len_ptr + t, tl.sum(valid.to(tl.int64), axis=0))
+            tl.store(tie_ptr + t, tie.to(tl.int64))
 
 
 def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_len, branch, req_rows, scale, topk):
@@ -193,13 +252,15 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
         return sel, lengths, ties, scores
     bn = min(pow2(n, 1), 16)  # a tree's rows in one tile; longer requests (prefill chunks) in groups of 16
     groups = -(-n // bn)
-    bh = max(pow2(h, 1) if h <= 16 else 16, -(-16 // bn))  # tl.dot needs M = BN x BH >= 16
+    bh = max(min(pow2(h, 1), max(1, 64 // bn)), -(-16 // bn))  # M = BN x BH: 64 (one warpgroup's MMA), >= 16
     kp = pow2(k + 1)  # keeps the (k+1)-th best for the tie flag
-    bkb = min(max(pow2(kb, 1), -(-16 // bn)), kp)  # branch columns per merge (prefill chunks: several)
+    mma = q.dtype == torch.bfloat16 and bf16_rows(fmt, one_scale=True)
+    buf = torch.empty((t, 2 * kp), dtype=torch.int64, device=dev)  # per row: kept and incoming keys
     _indexer_topk_kernel[(b * groups,)](
-        q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, h, d, n, groups, cp, epp, kb, k,
-        float(scale), TIE_MARGIN, *fmt.kernel_args(),
-        FMT=fmt.fmt, BN=bn, BH=bh, BC=min(16, kp), KP=kp, BKB=bkb, BD=pow2(d))
+        q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, buf, h, d, n, groups, cp, epp,
+        kb, k, float(scale), TIE_MARGIN, *fmt.kernel_args(),
+        FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(64 if bn <= 8 else 32, kp), KP=kp,
+        BD=pow2(d), num_warps=8)  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
     return sel, lengths, ties, scores
 
 

@@ -2,12 +2,17 @@
 
 Steps, in priority order (a step that would start after --budget-s is spent is marked skipped):
   gpu_tests          pytest -m 'gpu or on_device' with DSV4_TREE_GPU=1 (kernels, device flow, CUDA graphs)
+  aot_launch         python -m dsv4_tree.aot --launch: the gate's scenarios (tiny, V4-Flash N = 8 verify)
+                     run on the GPU, every kernel JIT-compiled and launched once at those shapes
+  aot_gate           python -m dsv4_tree.aot: the ahead-of-time sm_90a gate's summary (compiled on the
+                     CPU: shared memory, spills, MMA, compile time per kernel; design_notes/aot-gate.md)
   bench_verify_64K   benchmarks/bench_verify.py, bf16 (+ --kv-cache-dtype fp8_e4m3 where supported)
   bench_verify_triton  bench_verify_64K with --backend triton (the Triton kernels)
   bench_batch        benchmarks/bench_batch.py, bf16
   cuda_graph         bench_batch eager vs --cuda-graph-max-bs 64 (where SpecConfig has the field)
   bench_verify_256K, bench_verify_1M
---dry-run runs the same steps on CPU, fp32, at tiny shapes (one bench_verify context, 4K), the
+--dry-run runs the same steps on CPU, fp32, at tiny shapes (one bench_verify context, 4K; the
+gate on the tiny scenario alone; aot_launch is not available without a GPU), the
 Triton step under TRITON_INTERPRET=1, and the test step without DSV4_TREE_GPU and on the
 gpu-marked tests alone, which are collected and skipped (the `device` tests it adds on a GPU
 are, on the CPU, the main suite's own)."""
@@ -81,6 +86,11 @@ def headline(step: Step) -> str:
     r = step.result
     if r is None:
         return ""
+    if step.name == "aot_gate":
+        ctl = ", ".join(f"{n} fires" if ok else f"{n} DOES NOT FIRE" for n, _, ok in r["controls"])
+        return f"{r['verdict']}; controls: {ctl}; compile {r['compile_s']:.0f}s"
+    if step.name == "aot_launch":
+        return f"launched on {r['device']}: {', '.join(r['launched'])}"
     if step.name.startswith("bench_verify"):
         return (f"{r['context']} context, N={r['N']}: tree/chain {r['tree_over_chain']:.3f}, "
                 f"per-path/tree {r['per_path_over_tree']:.2f}")
@@ -133,7 +143,11 @@ def plan_steps(args, out: Path) -> list:
     if not has_graph_field(py):
         for g in graph:
             g.status, g.summary = "not available", "SpecConfig has no cuda_graph_max_bs field in this version"
-    return [tests, verify[0], kernels, batch, *graph, *verify[1:]]
+    aot_launch = Step("aot_launch", [py, "-m", "dsv4_tree.aot", "--launch"], args.limit_aot)
+    if dry:
+        aot_launch.status, aot_launch.summary = "not available", "needs a GPU (the dry run's gate records on the CPU)"
+    aot_gate = Step("aot_gate", [py, "-m", "dsv4_tree.aot", *(["--scenarios", "tiny"] if dry else [])], args.limit_aot)
+    return [tests, aot_launch, verify[0], kernels, batch, *graph, *verify[1:], aot_gate]
 
 
 def graph_ratios(steps) -> list:
@@ -178,6 +192,13 @@ def markdown(report: dict, steps) -> str:
             [(g["bs"], f"{g['eager_ms_per_request']:.3f}", f"{g['replay_ms_per_request']:.3f}",
               f"{g['replay_over_eager']:.3f}") for g in report["cuda_graph"]])
     for s in steps:
+        r = s.result
+        if r and s.name == "aot_gate":
+            md += ["", "## aot_gate (sm_90a, compiled on the CPU)", "", r["verdict"], ""] + table(
+                ["kernel", "specs", "max REG", "max smem KB", "max spill B", "min MMA", "max compile s", "flags"],
+                [(k, x["specs"], x["reg"], f"{x['smem'] / 1024:.1f}", x["spill_stores"], x["min_mma"],
+                  f"{x['seconds']:.0f}", ", ".join(x["flags"]) or "clean") for k, x in sorted(r["kernels"].items())])
+    for s in steps:
         if s.status in ("failed", "timeout"):
             md += ["", f"## {s.name}: {s.status}", "", "```", s.tail, "```"]
     return "\n".join(md) + "\n"
@@ -194,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-verify", type=float, default=120, help="per bench_verify context")
     ap.add_argument("--limit-batch", type=float, default=180)
     ap.add_argument("--limit-graph", type=float, default=90, help="per run (eager, replay)")
+    ap.add_argument("--limit-aot", type=float, default=300, help="per aot step (launch, gate)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)

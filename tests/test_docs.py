@@ -149,6 +149,11 @@ def _program(words: list):
     if words[:2] == ["bash", "scripts/gpu_check"]:
         assert (ROOT / "scripts/gpu_check").read_text().rstrip().endswith('scripts/gpu_check.py" --python "$PY" "$@"')
         return _main_of(ROOT / "scripts/gpu_check.py"), ["--python", sys.executable, *words[2:]]
+    if words[:2] == ["bash", "scripts/aot_gate"]:
+        assert (ROOT / "scripts/aot_gate").read_text().rstrip().endswith('exec python -m dsv4_tree.aot "$@"')
+        from dsv4_tree.aot.__main__ import main
+
+        return main, words[2:]
     if words[0] == "python" and words[1].endswith(".py"):
         return _main_of(ROOT / words[1]), words[2:]
     return None

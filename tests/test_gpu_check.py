@@ -34,8 +34,12 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     bad = {n: (s["status"], s["summary"], s["tail"]) for n, s in steps.items() if s["status"] not in ("ok", "not available")}
     assert proc.returncode == 0 and not bad, f"rc={proc.returncode} {bad}\n{proc.stderr[-2000:]}"
     assert report["mode"] == "dry-run"
-    assert list(steps) == ["gpu_tests", "bench_verify_4K", "bench_verify_triton", "bench_batch", "cuda_graph_eager",
-                           "cuda_graph_replay"]
+    assert list(steps) == ["gpu_tests", "aot_launch", "bench_verify_4K", "bench_verify_triton", "bench_batch",
+                           "cuda_graph_eager", "cuda_graph_replay", "aot_gate"]
+    assert steps["aot_launch"]["status"] == "not available"  # no GPU: nothing to launch on
+    gate = steps["aot_gate"]["result"]
+    assert gate["ok"] and set(gate["kernels"]) >= {"_sparse_decode_kernel", "_indexer_topk_kernel"}, gate
+    assert "## aot_gate" in (tmp_path / "report.md").read_text()
     assert steps["bench_verify_triton"]["result"]["backend"] == "triton"
     assert "skipped" in steps["gpu_tests"]["summary"], steps["gpu_tests"]  # no CUDA here: collected, skipped
     assert steps["bench_verify_triton"]["env"] == {"TRITON_INTERPRET": "1"}  # set by the dry run itself

@@ -5,8 +5,12 @@ contexts over several pages and top-k chunks, branch keys and padding rows; the 
 within bounds derived from the accumulation order and from FP8 rounding."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4_tree import kernels
+from dsv4_tree.kernels import tree_indexer
+from dsv4_tree.aot.record import LaunchRecorder
 from dsv4_tree.attention import torch_ops
 from dsv4_tree.errors import InputError
 from dsv4_tree.reference.indexer_topk import ref_indexer_topk
@@ -163,3 +167,51 @@ def test_bad_input_names_the_argument(device):
     for name, change in bad.items():
         with pytest.raises(InputError, match=name):
             kernels.indexer_topk(**{**args, "topk": 4, **change})
+
+
+@triton.jit
+def _best_both(kept_ptr, inc_ptr, net_ptr, rank_ptr, KP: tl.constexpr):
+    rk = tl.arange(0, KP)
+    kept = tl.load(kept_ptr + rk)
+    inc = tl.load(inc_ptr + rk)
+    tl.store(net_ptr + rk, tree_indexer._best_network(kept, inc, KP))
+    tl.store(rank_ptr + rk, tree_indexer._best_rank(kept, inc, KP))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_merge_network_and_its_interpreter_form_agree(seed):
+    """The kernel's merge runs the bitonic network on a GPU and a rank count in the interpreter
+    (tree_indexer._best): both on the same keys here, with repeated empty keys and equal keys,
+    against torch's top-KP of the union."""
+    g = torch.Generator().manual_seed(seed)
+    kp = 16
+    pool = torch.tensor([tree_indexer.NO_KEY] * 3 + torch.randint(-2 ** 40, 2 ** 40, (5,), generator=g).tolist())
+    kept = pool[torch.randint(0, pool.numel(), (kp,), generator=g)].sort(descending=True).values
+    inc = pool[torch.randint(0, pool.numel(), (kp,), generator=g)]
+    net, rank = torch.empty(kp, dtype=torch.int64), torch.empty(kp, dtype=torch.int64)
+    _best_both[(1,)](kept, inc, net, rank, KP=kp)
+    want = torch.cat([kept, inc]).sort(descending=True).values[:kp]
+    assert torch.equal(net, want) and torch.equal(rank, want)
+
+
+@pytest.mark.parametrize("sizes,lens,epp,kb", [((3, 1, 4), (37, 0, 9), 4, 2), ((20,), (9,), 4, 40)])
+def test_bf16_queries_over_fp8_keys_take_the_tensor_core_form(sizes, lens, epp, kb, device):
+    """bf16 queries over FP8 index keys launch the MMA form (_dot.py): the dot takes the e4m3
+    codes (exact in bf16) and applies each key's block scale to its result. Under the interpreter
+    this checks that form's values (fp32 dot of the bf16-exact operands: exact products, fp32
+    sums); against the reference on the same bf16 query values the only difference is the order
+    of the fp32 sums and the scale applied after the sum instead of to each key element, within
+    the accumulation bound (order_bound: dI + HI + 3 roundings)."""
+    args, _ = case(sizes, lens, epp, kb, 8, 32, "fp8_e4m3", seed=5, device=device)
+    args["q"] = args["q"].bfloat16().float()  # the reference and the bound see the bf16 values
+    k = 5
+    assert_boundaries_decidable(args, k)
+    want = ref_indexer_topk(**args, topk=k)
+    with LaunchRecorder(run=None) as rec:  # records the launch's constexprs, runs it
+        got = kernels.indexer_topk_scores(**dict(args, q=args["q"].bfloat16()), topk=k)
+    assert device.type != "cpu" or [(s.constexpr("MMA"), s.constexpr("CODES")) for s in rec.specs] == [(True, True)]
+    for name, x, y in zip(("selected", "lengths", "ties"), got[:3], want[:3]):
+        assert torch.equal(x, y), name
+    picked = got[0] >= 0
+    bound = order_bound(args, torch.where(picked, got[0], -1))
+    assert picked.any() and ((got[3] - want[3]).abs()[picked] <= bound[picked]).all()

@@ -1,0 +1,187 @@
+"""The launches the library makes, recorded as KernelSpecs (under TRITON_INTERPRET=1).
+
+    specs = record(SCENARIOS["flash-verify"])     # [(KernelSpec, scenario label)]
+
+A scenario builds a model with the attention dimensions of a model size (3 decoder layers:
+sliding, C4 with the indexer, C128), a Triton-backend engine over FP8 pools, synthetic committed
+requests (serving.synth) and EAGLE-shaped trees, and runs the verify step and a commit (and for
+`prefill`, a chunked prefill) inside a LaunchRecorder. The numeric kernels are recorded and not
+run (record.py says why that gives the same specs), so V4-Flash / V4-Pro shapes take seconds.
+
+    tiny          the tiny test config (fp32): verify N = 8 tree at bs 1 and 2, commit
+    tiny-prefill  the tiny config: a prefill of 40 tokens in 16-row chunks
+    flash-verify  V4-Flash dims, bf16: verify N = 8, bs 1, 1024 C4 entries (KP = 1024), commit
+    flash-more    V4-Flash: N = 8 at bs 2, N = 16 and 64 at bs 1, N = 8 at a 64K context
+    flash-prefill V4-Flash: prefill of 600 tokens in 256-row chunks and 200 in 64-row chunks; 256
+                  and 64 rows at a 2100-token context (KP = 1024)
+    pro           V4-Pro dims (128 heads, top-k 1024): verify N = 8 at bs 1 and 2 (KP = 2048), a prefill
+                  in 256-row chunks, and 256 rows at an 8400-token context (KP = 2048, 16-row tiles)
+    extra         kernels outside the Triton verify step at V4-Flash dims: the SGLang plug-in's
+                  pool_entries (C4 and C128 compressors) and indexer_gather / indexer_paged scores
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .record import LaunchRecorder
+
+_COMPRESS = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_SMALL_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256)
+
+FLASH = dict(vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+             partial_rotary_factor=64 / 512, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+             index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, compress_rates=_COMPRESS,
+             max_position_embeddings=1 << 21, **_SMALL_MOE)
+PRO = dict(FLASH, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024)
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Verify steps of trees of `n` nodes for requests of committed lengths `contexts` (one
+    request per length: bs = len(contexts)), then a greedy commit. Above 64 nodes the tree is a
+    chain: the rows of a prefill chunk of n rows at that context."""
+
+    n: int
+    contexts: tuple
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prefill of `length` tokens in chunks of `chunk` rows."""
+
+    length: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    dims: str  # "tiny" | "flash" | "pro"
+    steps: tuple  # Verify / Prefill
+    extra: bool = False  # the launchers outside the verify step (pool_entries, indexer gather)
+
+
+SCENARIOS = {
+    "tiny": Scenario("tiny", (Verify(8, (40,)), Verify(8, (40, 53)))),
+    "tiny-prefill": Scenario("tiny", (Prefill(40, 16),)),
+    "flash-verify": Scenario("flash", (Verify(8, (4200,)),)),
+    "flash-more": Scenario("flash", (Verify(8, (4200, 4253)), Verify(16, (4200,)), Verify(64, (4200,)),
+                                     Verify(8, (65549,)))),
+    "flash-prefill": Scenario("flash", (Prefill(600, 256), Prefill(200, 64), Verify(256, (2100,)), Verify(64, (2100,)))),
+    "pro": Scenario("pro", (Verify(8, (8400,)), Verify(8, (8400, 8413)), Prefill(300, 256), Verify(256, (8400,)))),
+    "extra": Scenario("flash", (), extra=True),
+}
+QUICK = ("tiny", "flash-verify")  # the normal suite's gate
+FULL = tuple(SCENARIOS)  # `slow` / scripts/aot_gate --full
+
+
+def model_for(dims: str, dtype=None, device: str = "cpu"):
+    import torch
+
+    import dsv4_tree as dt
+    from dsv4_tree.checkpoint.tiny import random_model
+
+    if dims == "tiny":
+        cfg = dt.tiny_config(vocab_size=1024)
+        dtype = dtype or torch.float32
+    else:
+        kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+        cfg = dt.tiny_config(**(FLASH if dims == "flash" else PRO), num_hidden_layers=3, layer_types=kinds,
+                             mlp_layer_types=["moe"] * 3)
+        dtype = dtype or torch.bfloat16
+    return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
+
+
+def _engine(model, n: int, chunk: int, max_context: int):
+    import dsv4_tree as dt
+
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=max(2, n), num_draft_tokens=n, prefill_chunk=chunk, max_requests=2,
+                         max_total_tokens=max_context + 2048, kv_cache_dtype="fp8_e4m3", page_size=256,
+                         attention_backend="triton")
+    return dt.Engine(model, spec)
+
+
+def _run_step(model, step) -> None:
+    import torch
+
+    from dsv4_tree.serving.synth import synthetic_request
+    from dsv4_tree.tree import DraftTree
+    from dsv4_tree.tree.simulate import eagle_tree
+
+    if isinstance(step, Prefill):
+        eng = _engine(model, 8, step.chunk, step.length)
+        req = eng.prefill(torch.randint(2, 1000, (step.length,), generator=torch.Generator().manual_seed(step.length)))
+        eng.release(req)
+        return
+    eng = _engine(model, step.n, 64, sum(step.contexts))
+    reqs = [synthetic_request(eng, p, seed=p) for p in step.contexts]
+    trees = [eagle_tree(5, step.n, seed=i) if step.n <= 64 else DraftTree.chain([5] + [7] * (step.n - 1))
+             for i in range(len(reqs))]
+    out = eng.verify(reqs, trees)
+    eng.commit(reqs, eng.accept_greedy(reqs, trees, out), out)
+    for r in reqs:
+        eng.release(r)
+
+
+def _run_extra(device: str = "cpu") -> None:
+    """pool_entries at the plug-in's C4 (8 rows) and C128 (128 rows) compressors, d = 512, and
+    the gather / paged indexer scores at V4-Flash's 64 x 128 index heads."""
+    import torch
+
+    from types import SimpleNamespace
+
+    from dsv4_tree import kernels
+    from dsv4_tree.serving import KVPool
+
+    z = dict(device=device)
+    norm = SimpleNamespace(weight=torch.ones(512, **z), variance_epsilon=1e-6)  # what pool_entries reads of an RMSNorm
+    for r in (8, 128):
+        kv = torch.zeros(4, r, 512, dtype=torch.bfloat16, **z)
+        kernels.pool_entries(kv, kv.clone(), norm, None, None, lambda x, cos, sin: x)
+    keys = KVPool(64, 128, 0, "fp8_e4m3", 16, device, torch.bfloat16, kind="index_key")
+    q = torch.zeros(8, 64, 128, dtype=torch.bfloat16, **z)
+    w = torch.zeros(8, 64, dtype=torch.float32, **z)
+    kernels.indexer_gather_scores(q, w, keys, torch.zeros(8, 32, dtype=torch.int64, **z), 128 ** -0.5)
+    req_rows = torch.arange(8, dtype=torch.int32, **z).view(1, 8)
+    kernels.indexer_paged_scores(q, w, keys, torch.zeros(1, 4, dtype=torch.int32, **z), 16,
+                                 torch.tensor([40], dtype=torch.int32, **z), req_rows, torch.arange(8, **z), 128 ** -0.5)
+
+
+def record(names, progress=None) -> list:
+    """[(KernelSpec, scenario label)], distinct specs in first-seen order, over the named scenarios."""
+    seen: dict = {}
+    models: dict = {}
+    for name in names:
+        sc = SCENARIOS[name]
+        with LaunchRecorder(where=name) as rec:
+            if sc.extra:
+                _run_extra()
+            else:
+                if sc.dims not in models:
+                    models.clear()
+                    models[sc.dims] = model_for(sc.dims)
+                for step in sc.steps:
+                    _run_step(models[sc.dims], step)
+        for key, r in rec.seen.items():
+            seen.setdefault(key, (r.spec, name))
+        if progress is not None:
+            progress(name, len(rec.seen), rec.launches)
+    return list(seen.values())
+
+
+def launch(names, device: str = "cuda", progress=None) -> None:
+    """Run the named scenarios with every kernel compiled and launched on `device` (a GPU; no
+    recording, no interpreter): the same shapes the gate compiled, each launched once for real."""
+    import torch
+
+    for name in names:
+        sc = SCENARIOS[name]
+        if sc.extra:
+            _run_extra(device)
+        else:
+            model = model_for(sc.dims, device=device)
+            for step in sc.steps:
+                _run_step(model, step)
+            del model
+        torch.cuda.synchronize()
+        if progress is not None:
+            progress(name)
