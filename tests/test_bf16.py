@@ -7,6 +7,7 @@ rows of the call. Ours: the bf16 engine's verify logits. Hugging Face's: the bf1
 per-path runs of the same rows. Ours must not exceed 2x Hugging Face's."""
 import dataclasses
 
+import pytest
 import torch
 
 import dsv4_tree as dt

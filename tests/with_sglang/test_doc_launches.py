@@ -3,7 +3,9 @@ tests/test_docs.py leaves them here) is parsed by SGLang 0.5.23's own command-li
 resolved with the plug-in loaded, as its launcher would, on this CPU: so a documented flag that
 SGLang does not know, a value SGLang rejects, or a configuration the plug-in refuses fails here.
 Two things are substituted and only these: `--model-path` names a local tiny DeepSeek-V4 config
-(no download; same model_type and layer kinds) and `--device cpu` is appended."""
+(no download; same model_type and layer kinds; for DSPARK one that bundles its DSpark draft, as
+DeepSeek's V4 checkpoints do) and `--device cuda` is made explicit (what the
+launch would run on; argument resolution reads no GPU, and SGLang refuses DSpark on any other)."""
 import json
 import os
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from doc_blocks import all_blocks, shell_commands
-from plugin_probe import dsv4_dir
+from plugin_probe import dspark_dir, dsv4_dir
 
 HERE = Path(__file__).resolve().parent
 LAUNCH = ["python", "-m", "sglang.launch_server"]
@@ -28,11 +30,12 @@ def documented_launches() -> list:
     return found
 
 
-def local(argv: list, model: str) -> list:
+def local(argv: list, root: str) -> list:
     out = list(argv)
     i = out.index("--model-path")
-    out[i + 1] = model
-    return out + ["--device", "cpu"]
+    dspark = "--speculative-algorithm" in out and out[out.index("--speculative-algorithm") + 1] == "DSPARK"
+    out[i + 1] = dspark_dir(root) if dspark else dsv4_dir(root)
+    return out + ["--device", "cuda"]
 
 
 def test_documented_launches_resolve(tmp_path):
@@ -41,10 +44,9 @@ def test_documented_launches_resolve(tmp_path):
     for where, argv, env in launches:
         assert env.get("SGLANG_PLUGINS") == "dsv4_tree", f"{where}: launch without the plug-in"
         assert "--model-path" in argv, where
-    model = dsv4_dir(str(tmp_path))
     env = dict(os.environ, SGLANG_PLUGINS="dsv4_tree", TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, str(HERE / "doc_launch_probe.py"),
-                          json.dumps([local(a, model) for _, a, _ in launches])],
+                          json.dumps([[e, local(a, str(tmp_path / str(i)))] for i, (_, a, e) in enumerate(launches)])],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -66,7 +68,7 @@ def test_a_bad_documented_flag_would_fail(tmp_path):
     argv = ["--model-path", model, "--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4",
             "--speculative-num-stepz", "3", "--device", "cpu"]
     env = dict(os.environ, SGLANG_PLUGINS="dsv4_tree", TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, str(HERE / "doc_launch_probe.py"), json.dumps([argv])], cwd=HERE, env=env,
+    out = subprocess.run([sys.executable, str(HERE / "doc_launch_probe.py"), json.dumps([[{}, argv]])], cwd=HERE, env=env,
                          capture_output=True, text=True, timeout=600)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert not report[0]["ok"] and "SystemExit" in report[0]["error"], report
