@@ -9,6 +9,7 @@ import torch
 from .checkpoint.tiny import trained_checkpoint
 from .cli_args import int_at_least, real_in, seed_value
 from .model.adapter import load_model
+from .train.mtp_trainer import INITS
 
 
 def cmd_train_dspark(args) -> int:
@@ -30,23 +31,28 @@ def cmd_train_dspark(args) -> int:
     return 0
 
 
+def _add_against_target(t, eval_every: int, threads: int) -> None:
+    """The flags train-mtp and train-dspark share: both train a drafter against a frozen target."""
+    t.add_argument("--checkpoint", default=None, help="the frozen target (default: the shipped trained checkpoint)")
+    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
+                   help="peak learning rate (warmup, cosine decay); finite, > 0")
+    t.add_argument("--eval-every", type=int_at_least(1), default=eval_every, help="validation interval (steps)")
+    t.add_argument("--threads", type=int_at_least(1), default=threads, help="torch CPU threads")
+    t.add_argument("--max-files", type=int_at_least(1), default=None, help="use only the first N stdlib files")
+
+
 def add_train_dspark(sub) -> None:
     t = sub.add_parser("train-dspark", help="train a small DSpark drafter against a frozen target (default: the "
                                             "shipped trained checkpoint) on the stdlib sources (CPU)")
     t.add_argument("--out", required=True, help="directory to write the module into, as its dspark/ subfolder "
                                                 "(model.safetensors, config.json, training.json, loss_curve.png)")
-    t.add_argument("--checkpoint", default=None, help="the frozen target (default: the shipped trained checkpoint)")
     t.add_argument("--steps", type=int_at_least(1), default=800, help="optimizer steps")
     t.add_argument("--batch", type=int_at_least(1), default=4, help="training windows per step")
     t.add_argument("--anchors", type=int_at_least(1), default=64, help="blocks per window (at most seq_len - gamma - 1)")
     t.add_argument("--block-size", type=int_at_least(1), default=5, help="gamma: drafts per block")
     t.add_argument("--markov-rank", type=int_at_least(1), default=32, help="rank r of the Markov head")
-    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
-                   help="peak learning rate (warmup, cosine decay); finite, > 0")
     t.add_argument("--seed", type=seed_value, default=0, help="seed for weights, windows and anchors")
-    t.add_argument("--eval-every", type=int_at_least(1), default=100, help="validation interval (steps)")
-    t.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads")
-    t.add_argument("--max-files", type=int_at_least(1), default=None, help="use only the first N stdlib files")
+    _add_against_target(t, eval_every=100, threads=1)
     t.set_defaults(func=cmd_train_dspark)
 
 
@@ -107,17 +113,12 @@ def add_train_mtp(sub) -> None:
                                          "shipped trained checkpoint) with train-tiny's recipe (CPU)")
     t.add_argument("--out", required=True, help="directory to write the checkpoint with the new mtp.0.* block into "
                                                 "(the target's files are copied there unless it is the checkpoint)")
-    t.add_argument("--checkpoint", default=None, help="the frozen target (default: the shipped trained checkpoint)")
     t.add_argument("--steps", type=int_at_least(1), default=2000, help="optimizer steps")
     t.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
     t.add_argument("--seq-len", type=int_at_least(1), default=384, help="bytes per sequence")
-    t.add_argument("--lr", type=real_in(0.0, float("inf"), low_open=True), default=3e-3,
-                   help="peak learning rate (warmup, cosine decay); finite, > 0")
     t.add_argument("--seed", type=seed_value, default=0, help="seed for the block's weights and the batches")
     t.add_argument("--warmup", type=int_at_least(1), default=100, help="learning-rate warmup steps")
-    t.add_argument("--init", choices=("random", "checkpoint"), default="random",
+    t.add_argument("--init", choices=INITS, default="random",
                    help="start from a fresh block (train-tiny's initialisation) or from the checkpoint's own block")
-    t.add_argument("--eval-every", type=int_at_least(1), default=250, help="validation interval (steps)")
-    t.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
-    t.add_argument("--max-files", type=int_at_least(1), default=None, help="use only the first N stdlib files")
+    _add_against_target(t, eval_every=250, threads=2)
     t.set_defaults(func=cmd_train_mtp)

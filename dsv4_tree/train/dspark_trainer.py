@@ -25,6 +25,7 @@ from ..checkpoint.tiny import random_dspark
 from ..drafters.dspark_rows import block_ids, block_rows, context_rows, confidences, markov_logits
 from ..errors import ConfigError
 from .corpus import batches, check_windows, load_corpus
+from .steps import freeze, running_mean, set_lr
 
 
 @dataclass
@@ -140,9 +141,7 @@ def train_dspark(model, cfg: DSparkTrainConfig, out_dir: Path, log=print) -> dic
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.max_files)
     hf = model.hf.eval()
-    grads = [(p, p.requires_grad) for p in hf.parameters()]
-    for p, _ in grads:
-        p.requires_grad_(False)
+    restore = freeze(hf)
     module = random_dspark(model.config, _settings(cfg), seed=cfg.seed)
     for name, p in module.named_parameters():  # small-init scales, as the target's training
         if p.dim() == 2:
@@ -162,9 +161,7 @@ def train_dspark(model, cfg: DSparkTrainConfig, out_dir: Path, log=print) -> dic
     t0, c0 = time.time(), time.process_time()
     try:
         for step in range(1, cfg.steps + 1):
-            lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-            for group in opt.param_groups:
-                group["lr"] = max(lr, cfg.lr * 0.02)
+            set_lr(opt, step, cfg.lr, cfg.warmup, cfg.steps)
             loss, _, _ = dspark_losses(model, module, capture, batches(corpus.train, cfg.batch, cfg.seq_len, g), ga, cfg)
             if not math.isfinite(float(loss.detach())):
                 raise ConfigError(f"DSparkTrainConfig.lr={cfg.lr}: the training loss is {float(loss.detach())} at step {step}; "
@@ -190,8 +187,7 @@ def train_dspark(model, cfg: DSparkTrainConfig, out_dir: Path, log=print) -> dic
                 log(f"[train-dspark] step {step}/{cfg.steps} train {hist['train_loss'][-1]:.3f}, {time.time() - t0:.0f}s")
     finally:
         capture.remove()
-        for p, flag in grads:  # the caller's model as it was
-            p.requires_grad_(flag)
+        restore()
     meta = {"train_config": asdict(cfg), "python_version": corpus.python_version,
             "file_list_sha256": corpus.list_sha256, "params": n_params, "seconds": round(time.time() - t0, 1),
             "cpu_seconds": round(time.process_time() - c0, 1), "torch_threads": torch.get_num_threads(),
@@ -227,8 +223,7 @@ def plot_dspark(hist, path) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     w, s = 25, hist["train_loss"]
-    ax.plot(hist["step"], [sum(s[max(0, i - w + 1): i + 1]) / len(s[max(0, i - w + 1): i + 1]) for i in range(len(s))],
-            label="train (25-step mean)")
+    ax.plot(hist["step"], running_mean(s, w), label="train (25-step mean)")
     ax.plot(hist["val_step"], hist["val_loss"], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("DSpark loss (0.1 CE + 0.9 L1 + BCE)")

@@ -29,6 +29,7 @@ from ..checkpoint.mtp import MTP_PREFIX, load_mtp, to_checkpoint_names
 from ..errors import ConfigError
 from ..checkpoint.tiny import random_mtp
 from .corpus import batches, check_windows, load_corpus
+from .steps import freeze, running_mean, set_lr
 from .trainer import StreamCapture, TrainConfig, _check_finite, mtp_rows
 
 COPIED = ("config.json", "generation_config.json", "model.safetensors", "training.json", "loss_curve.png")
@@ -57,9 +58,7 @@ def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None =
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.max_files)
     hf = model.hf.eval()
-    grads = [(p, p.requires_grad) for p in hf.parameters()]
-    for p, _ in grads:
-        p.requires_grad_(False)
+    restore = freeze(hf)
     mtp = random_mtp(hf.config, seed=cfg.seed).to(dtype=model.dtype)
     if init == "checkpoint":  # the same module, the checkpoint's values (trainable as a fresh one)
         mtp.load_state_dict(load_mtp(model).state_dict())
@@ -75,9 +74,7 @@ def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None =
     t0, c0 = time.time(), time.process_time()
     try:
         for step in range(1, cfg.steps + 1):
-            lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
-            for group in opt.param_groups:
-                group["lr"] = max(lr, cfg.lr * 0.02)
+            set_lr(opt, step, cfg.lr, cfg.warmup, cfg.steps)
             loss = mtp_loss(hf, mtp, capture, batches(corpus.train, cfg.batch, cfg.seq_len, g))
             bpb = float(loss.detach()) / math.log(2)
             _check_finite(cfg, step, "training MTP", bpb, None)
@@ -98,8 +95,7 @@ def train_mtp(model, cfg: TrainConfig, out_dir, log=print, command: str | None =
                 log(f"[train-mtp] step {step}/{cfg.steps} train MTP {bpb:.3f} bpb, {time.time() - t0:.0f}s")
     finally:
         capture.handle.remove()
-        for p, flag in grads:  # the caller's model as it was
-            p.requires_grad_(flag)
+        restore()
     record = {"train_config": asdict(cfg), "init": init, "command": command, "python_version": corpus.python_version,
               "file_list_sha256": corpus.list_sha256, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(time.process_time() - c0, 1), "torch_threads": torch.get_num_threads(),
@@ -152,8 +148,7 @@ def plot_mtp(hist, path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     w, s = 25, hist["train_mtp_bpb"]
-    ax.plot(hist["step"], [sum(s[max(0, i - w + 1): i + 1]) / len(s[max(0, i - w + 1): i + 1]) for i in range(len(s))],
-            label="train (MTP, 25-step mean)")
+    ax.plot(hist["step"], running_mean(s, w), label="train (MTP, 25-step mean)")
     ax.plot(hist["val_step"], hist["val_mtp_bpb"], "s--", label="validation (MTP, byte t+2)")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")

@@ -22,6 +22,7 @@ from ..checkpoint.mtp import MtpBlock, add_mtp_to_checkpoint
 from ..checkpoint.tiny import random_model, random_mtp, tiny_config
 from ..errors import ConfigError
 from .corpus import BOS, EOS, VOCAB, batches, check_windows, load_corpus
+from .steps import running_mean, set_lr
 
 BYTE_MODEL = dict(
     vocab_size=VOCAB, hidden_size=128, moe_intermediate_size=96, num_attention_heads=4, head_dim=32,
@@ -119,9 +120,7 @@ def train(cfg: TrainConfig, out_dir: Path, log=print) -> dict:
         f"{corpus.python_version})")
     t0, saved = time.time(), None
     for step in range(1, cfg.steps + 1):
-        lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
-        for group in opt.param_groups:
-            group["lr"] = max(lr, cfg.lr * 0.02)
+        set_lr(opt, step, cfg.lr, cfg.warmup, cfg.steps)
         main, mtp_loss = losses(model, mtp, capture, batches(corpus.train, cfg.batch, cfg.seq_len, g))
         bpb, mtp_bpb = float(main.detach()) / math.log(2), float(mtp_loss.detach()) / math.log(2)
         _check_finite(cfg, step, "training", bpb, saved)
@@ -199,7 +198,7 @@ def plot_history(history, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     w = 25
     s = history["train_bpb"]
-    smooth = [sum(s[max(0, i - w + 1) : i + 1]) / len(s[max(0, i - w + 1) : i + 1]) for i in range(len(s))]
+    smooth = running_mean(s, w)
     ax.plot(history["step"], smooth, label="train (main, 25-step mean)")
     ax.plot(history["val_step"], history["val_bpb"], "o-", label="validation (main)")
     ax.plot(history["val_step"], history["val_mtp_bpb"], "s--", label="validation (MTP, byte t+2)")
