@@ -113,7 +113,7 @@ def _e4m3_to_f32(code):
 def load_pool_rows(ptr, slots, ok, rd, D, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
                    FMT: tl.constexpr):
     """Rows `slots` (int, masked by ok) of a pool as an fp32 tile [R, BD]; masked lanes are 0."""
-    s = tl.where(ok, slots, 0).to(tl.int64)
+    s = tl.maximum(slots, 0).to(tl.int64)  # a select on ok here fails to compile under Triton 3.6; lane masks the loads
     lane = ok[:, None] & (rd[None, :] < D)
     if FMT == 0:
         rows = tl.load(ptr + s[:, None] * D + rd[None, :], mask=lane, other=0.0).to(tl.float32)

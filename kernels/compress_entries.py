@@ -34,6 +34,7 @@ from dsv4_tree.errors import InputError
 
 from ._launch import FLOATS, INDEX, check, check_device, pow2
 from ._meta import on_meta
+from ._version import COMPRESS_ROWS
 from ._rounding import round_to
 from .fp8_store import _bf16_bits, _e4m3_code
 
@@ -285,7 +286,7 @@ def compress_entries(pool, ct, module, cos: torch.Tensor, sin: torch.Tensor) -> 
     _compress_entries_kernel[(t,)](
         rows_kv, rows_gate, bias, weight, cos, sin, ct.src, ct.entry_out, out,
         r_rows, m, ct.src.stride(0), cos.stride(0), sin.stride(0), norm.variance_epsilon, page_size, page_bytes,
-        D=d, W=w_rows, HALF=cos.shape[1], OVERLAP=overlap, BR=min(pow2(r_rows, 2), 16), BP=pow2(d // 2, 1),
+        D=d, W=w_rows, HALF=cos.shape[1], OVERLAP=overlap, BR=min(pow2(r_rows, 2), COMPRESS_ROWS), BP=pow2(d // 2, 1),
         DTYPE=_TL[rows_kv.dtype], GATE_DTYPE=_TL[gate_dtype], STORE=store, NOPE=nope, TILE=tile,
         N_TILES=n_tiles, SCALE_BYTES=scale_bytes, TILES_P2=pow2(n_tiles, 1), SCALE_P2=pow2(scale_bytes, 1),
         enable_fp_fusion=False)

@@ -37,6 +37,7 @@ from dsv4_tree.errors import InputError
 
 from ._launch import INDEX, check, check_device, check_index_query, pow2
 from ._meta import on_meta
+from ._version import ALL_REGISTERS, INDEXER_WIDE_TILE
 from ._dot import INTERPRETED, dot, operand
 from ._pool_rows import INDEX_KEY_RECORD, bf16_rows, dot_keys, pool_format
 
@@ -91,16 +92,27 @@ def _best_network(kept, incoming, KP: tl.constexpr):
     return tl.bitonic_merge(tl.maximum(kept, tl.sort(incoming)), descending=True)
 
 
+RANK_CHUNK = tl.constexpr(128)  # keys ranked per step of _best_rank: [128, 2 KP] blocks
+
+
 @triton.jit
 def _best_rank(kept, incoming, KP: tl.constexpr):
     """_best_network's result by counting each key's rank in the union (ties by position, for the
-    repeated empty keys): O(KP^2) work, for the interpreter, which runs Triton's sort network one
-    Python reduction per element (~0.5 s per sort at KP = 16)."""
+    repeated empty keys), for the interpreter, which runs Triton's sort network one Python
+    reduction per element (~0.5 s per sort at KP = 16). O(KP^2) work in chunks of RANK_CHUNK keys,
+    so no block exceeds [RANK_CHUNK, 2 KP] or [KP, RANK_CHUNK] elements: under Triton's limit of
+    2^20 per block up to KP 4096 (V4-Flash's top-512 keeps KP 1024, V4-Pro's top-1024 KP 2048)."""
     both = tl.reshape(tl.join(kept, incoming), (2 * KP,))
     i = tl.arange(0, 2 * KP)
-    above = (both[None, :] > both[:, None]) | ((both[None, :] == both[:, None]) & (i[None, :] < i[:, None]))
-    rank = tl.sum(above.to(tl.int32), axis=1)
-    return tl.sum(tl.where(rank[None, :] == tl.arange(0, KP)[:, None], both[None, :], 0), axis=1)
+    rk = tl.arange(0, KP)
+    top = tl.zeros((KP,), tl.int64)
+    for c0 in tl.static_range(0, 2 * KP, RANK_CHUNK):
+        j = c0 + tl.arange(0, RANK_CHUNK)  # the chunk's positions in the union
+        v = tl.sum(tl.where(i[None, :] == j[:, None], both[None, :], 0), axis=1)  # their keys
+        above = (both[None, :] > v[:, None]) | ((both[None, :] == v[:, None]) & (i[None, :] < j[:, None]))
+        rank = tl.where(j < 2 * KP, tl.sum(above.to(tl.int32), axis=1), KP)  # past the union: placed nowhere
+        top += tl.sum(tl.where(rank[None, :] == rk[:, None], v[None, :], 0), axis=1)  # ranks are distinct
+    return top
 
 
 @triton.jit
@@ -259,8 +271,8 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
     _indexer_topk_kernel[(b * groups,)](
         q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, buf, h, d, n, groups, cp, epp,
         kb, k, float(scale), TIE_MARGIN, *fmt.kernel_args(),
-        FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(64 if bn <= 8 else 32, kp), KP=kp,
-        BD=pow2(d), num_warps=8)  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
+        FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(INDEXER_WIDE_TILE if bn <= 8 else 32, kp),
+        KP=kp, BD=pow2(d), num_warps=8, **ALL_REGISTERS)  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
     return sel, lengths, ties, scores
 
 

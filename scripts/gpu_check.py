@@ -29,6 +29,38 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# what docs/install.md tells a GPU user to install beside their CUDA torch: pip install "dsv4-tree[hf,triton]"
+GPU_EXTRAS = ("hf", "triton")
+
+
+def _versions(python: str) -> str:
+    probe = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('torch'), m.version('triton'))"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() or f"(torch / triton not importable: {probe.stderr.strip()[-300:]})"
+
+
+def install(python: str, wheels: str | None = None, dry_run: bool = False) -> str:
+    """Install this checkout as docs/install.md says (`pip install "dsv4-tree[hf,triton]"`, with the
+    checkout in place of the name; offline with --wheels: from that folder of wheels alone) into
+    `python`'s environment, and fail when pip would change its torch or Triton: the CUDA torch a
+    GPU user brings keeps its own Triton. Returns the torch / Triton versions."""
+    before = _versions(python)
+    cmd = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-build-isolation",
+           f"{ROOT}[{','.join(GPU_EXTRAS)}]"]
+    if wheels:
+        cmd += ["--no-index", "--find-links", wheels]
+    if dry_run:
+        cmd += ["--dry-run", "--report", "-"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"[gpu_check] {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    if dry_run:
+        touched = {i["metadata"]["name"].lower() for i in json.loads(proc.stdout)["install"]}
+        if touched & {"torch", "triton"}:
+            raise SystemExit(f"[gpu_check] installing would replace {sorted(touched & {'torch', 'triton'})} ({before})")
+    elif _versions(python) != before:
+        raise SystemExit(f"[gpu_check] installing changed torch / triton: {before} -> {_versions(python)}")
+    return before
 
 
 @dataclasses.dataclass
@@ -216,7 +248,14 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-batch", type=float, default=180)
     ap.add_argument("--limit-graph", type=float, default=90, help="per run (eager, replay)")
     ap.add_argument("--limit-aot", type=float, default=300, help="per aot step (launch, gate)")
+    ap.add_argument("--install", action="store_true",
+                    help='first install this checkout as docs/install.md says ("dsv4-tree[hf,triton]") beside the torch there')
+    ap.add_argument("--wheels", help="with --install: a folder of wheels to install from, offline (pip --no-index)")
     args = ap.parse_args(argv)
+    if args.wheels and not args.install:
+        ap.error("--wheels goes with --install")
+    if args.install:
+        print(f"[gpu_check] installed beside torch / triton {install(args.python, args.wheels)}", file=sys.stderr)
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     probe = subprocess.run([args.python, "-c", "import torch; print(torch.__version__, torch.version.cuda, "

@@ -2,9 +2,15 @@
 
 The normal suite runs the tiny and V4-Flash N = 8 verify scenarios and the negative controls,
 compiling every recorded specialisation with Triton's compiler and the ptxas / cuobjdump of the
-triton wheel; `slow` runs every V4-Flash / V4-Pro scenario with a result cache keyed by kernel
-source ($DSV4_TREE_AOT_CACHE, default ~/.cache/dsv4-tree/aot)."""
+triton wheel, under this environment's Triton (3.9.0) and under SGLang's (3.8.0, in
+.venv-triton3.8.0: scripts/triton_env.sh); `slow` runs every V4-Flash / V4-Pro scenario under
+every Triton a supported CUDA torch brings (design_notes/triton-versions.md), with a result
+cache keyed by kernel source and Triton version ($DSV4_TREE_AOT_CACHE, default
+~/.cache/dsv4-tree/aot)."""
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +21,12 @@ from dsv4_tree.aot.controls import CONTROLS
 from dsv4_tree.aot.scenarios import FULL, QUICK
 
 pytestmark = pytest.mark.skipif(os.environ.get("DSV4_TREE_GPU") == "1", reason="records under the interpreter")
+ROOT = Path(__file__).resolve().parents[1]
+SGLANG_TRITON = "3.8.0"  # what SGLang 0.5.23's torch 2.14.1 brings (tests/with_sglang/test_sglang_env.py)
+# what each Triton's gate is known to flag, with why (kernels/_version.py; docs/gpu-check.md): 3.6's
+# ptxas spills the grouped sparse decode at head_dim 512 (300-460 bytes) whatever the launch choices
+KNOWN_FLAGS = {"3.6.0": lambda r: r["kernel"] == "_sparse_decode_kernel" and "GROUPED=True" in r["spec"]
+               and "BD=512" in r["spec"] and r["flags"] == ["SPILL"]}
 
 
 def _fail_text(report) -> str:
@@ -31,9 +43,13 @@ def quick_report():
 
 
 def test_quick_gate_every_spec_launches_without_spills(quick_report):
+    import triton
+
     rep = quick_report
     assert len(rep.rows) >= 40, "the tiny and V4-Flash verify scenarios record every kernel's launches"
-    assert rep.flagged == 0, _fail_text(rep)
+    unexpected = _unexpected({"rows": rep.rows}, triton.__version__)
+    assert unexpected == [], _fail_text(rep)
+    assert rep.flagged == 0 or triton.__version__ in KNOWN_FLAGS, _fail_text(rep)
 
 
 def test_quick_gate_attention_and_indexer_use_tensor_cores_at_v4_dims(quick_report):
@@ -71,11 +87,63 @@ def test_each_limit_flags_its_own_breach():
     assert checks.flags(_result(status="error", error="CompilationError")) == ["FAIL(error)"]
 
 
+def gate_under(version: str, scenarios, cache=None) -> dict:
+    """`python -m dsv4_tree.aot` in .venv-triton<version> (built by scripts/triton_env.sh when
+    missing): the library's launches recorded and compiled under that Triton. Its --json report."""
+    python = ROOT / f".venv-triton{version}" / "bin" / "python"
+    if not python.exists() or subprocess.run([str(python), "-c", "import triton, dsv4_tree"]).returncode:
+        subprocess.run(["bash", str(ROOT / "scripts" / "triton_env.sh"), version], check=True, cwd=ROOT,
+                       stdout=sys.stderr)
+    out = ROOT / f".venv-triton{version}" / f"gate-{os.getpid()}.json"
+    cmd = [str(python), "-m", "dsv4_tree.aot", "--scenarios", ",".join(scenarios), "--json", str(out)]
+    if cache:
+        cmd += ["--cache", str(cache)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.exists(), f"the gate under Triton {version} did not report:\n{run.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    out.unlink()
+    assert report["triton"] == version, report["triton"]
+    return report
+
+
+def _unexpected(report, version):
+    known = KNOWN_FLAGS.get(version, lambda r: False)
+    return [f"{r['kernel']} [{r['where']}] {r['spec']}: {r['flags']} {r.get('error') or ''}"[:600]
+            for r in report["rows"] if r["flags"] and r["where"] != "control" and not known(r)]
+
+
+def test_quick_gate_under_sglangs_triton():
+    """The plug-in's kernels run under SGLang's Triton: the same tiny and V4-Flash N = 8 launches,
+    recorded and compiled under 3.8.0, clean; the controls fire."""
+    rep = gate_under(SGLANG_TRITON, QUICK)
+    assert len(rep["rows"]) >= 40
+    assert _unexpected(rep, SGLANG_TRITON) == [] and rep["ok"], rep["verdict"]
+    assert all(fired for _, _, fired in rep["controls"]), rep["controls"]
+
+
+def _aot_cache() -> Path:
+    return Path(os.environ.get("DSV4_TREE_AOT_CACHE", Path.home() / ".cache" / "dsv4-tree" / "aot"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["3.6.0", "3.7.1", "3.8.0"])
+def test_full_gate_under_each_cuda_torchs_triton(version):
+    """Every scenario under the Triton of torch 2.11 (3.6.0), 2.13 (3.7.1) and 2.14 (3.8.0): clean
+    but for what KNOWN_FLAGS names (and, for 3.6, those flags are really there: the note in
+    docs/gpu-check.md stays true)."""
+    rep = gate_under(version, FULL, cache=_aot_cache())
+    assert len(rep["rows"]) >= 80, "every scenario's launches recorded"
+    assert _unexpected(rep, version) == [], "\n".join(_unexpected(rep, version))
+    assert all(fired for _, _, fired in rep["controls"]), rep["controls"]
+    if version in KNOWN_FLAGS:
+        assert any(KNOWN_FLAGS[version](r) for r in rep["rows"]), f"Triton {version}: the known flags are gone"
+
+
 @pytest.mark.slow
 def test_full_gate_every_v4_flash_and_pro_specialisation():
     from dsv4_tree.aot.gate import run_gate
 
-    cache = Path(os.environ.get("DSV4_TREE_AOT_CACHE", Path.home() / ".cache" / "dsv4-tree" / "aot"))
-    rep = run_gate(FULL, cache_dir=cache)
+    rep = run_gate(FULL, cache_dir=_aot_cache())
     assert len(rep.rows) >= 80, "every scenario's launches recorded"
     assert rep.ok, _fail_text(rep)

@@ -127,3 +127,36 @@ def test_only_with_an_unknown_step_name_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         gc.main(["--out", str(tmp_path), "--dry-run", "--only", "gpu_test"])
     assert exc.value.code == 2 and "unknown steps ['gpu_test']" in capsys.readouterr().err
+
+
+def _gpu_check_module():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_installs_what_the_install_page_says():
+    """docs/install.md's command for a CUDA torch is the one `gpu_check --install` runs (with the
+    checkout in place of the name)."""
+    import re
+
+    gc = _gpu_check_module()
+    page = (ROOT / "docs" / "install.md").read_text()
+    extras = re.findall(r'^pip install "dsv4-tree\[([\w,]+)\]"\s+# keeps your torch', page, re.M)
+    assert extras == [",".join(gc.GPU_EXTRAS)], extras
+
+
+def test_the_install_keeps_this_environments_torch_and_triton():
+    """pip's own dry run of `gpu_check --install` here: it resolves beside this environment's
+    torch and Triton without replacing either (in .venv-torch2.11.0 that is the CUDA image's
+    torch 2.11.0 with Triton 3.6.0)."""
+    import importlib.metadata as md
+    import sys
+
+    got = _gpu_check_module().install(sys.executable, dry_run=True)
+    assert got == f"{md.version('torch')} {md.version('triton')}", got

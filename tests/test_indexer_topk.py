@@ -26,10 +26,13 @@ def key_pool(rows, kv_dtype, device, page_size=8):
     return pool
 
 
-def case(sizes, lens, epp, kb, h, d, kv_dtype, seed, device, zero_frac=0.3, pad_rows=1):
+def case(sizes, lens, epp, kb, h, d, kv_dtype, seed, device, zero_frac=0.3, pad_rows=1, ints=False):
     """Requests with `sizes` rows and `lens` committed keys behind shuffled entry pages of `epp`
     entries; a share of the committed keys is exactly zero (every row scores them 0: planted
     ties); every row has up to kb own branch keys; `pad_rows` rows of no request at the end.
+    `ints`: small integers in keys, queries and weights, so every score is exact in fp32 (and
+    in e4m3) and many tie: at any size the order is decided by the tie rule alone (the scale is
+    then a power of two, so applying it anywhere rounds nothing).
     Returns (kernel arguments, the exact fp32 key rows)."""
     g = torch.Generator().manual_seed(seed)
     b, n, t = len(sizes), max(sizes), sum(sizes) + pad_rows
@@ -47,9 +50,12 @@ def case(sizes, lens, epp, kb, h, d, kv_dtype, seed, device, zero_frac=0.3, pad_
     branch = torch.where(torch.arange(kb) < branch_len.unsqueeze(1), own, -1)
     q = torch.randn(t, h, d, generator=g)
     w = torch.randn(t, h, generator=g)
+    if ints:
+        rows = torch.randint(-3, 4, rows.shape, generator=g).float()
+        q, w = torch.randint(-2, 3, q.shape, generator=g).float(), torch.randint(-2, 3, w.shape, generator=g).float()
     args = dict(q=q.to(device), weights=w.to(device), keys=key_pool(rows, kv_dtype, device), entry_pages=pages.to(device),
                 entries_per_page=epp, entry_len=torch.tensor(lens, dtype=torch.int32, device=device),
-                branch=branch.to(device), req_rows=req_rows.to(device), scale=d ** -0.5)
+                branch=branch.to(device), req_rows=req_rows.to(device), scale=2.0 ** -4 if ints else d ** -0.5)
     return args, rows
 
 
@@ -192,6 +198,41 @@ def test_the_merge_network_and_its_interpreter_form_agree(seed):
     _best_both[(1,)](kept, inc, net, rank, KP=kp)
     want = torch.cat([kept, inc]).sort(descending=True).values[:kp]
     assert torch.equal(net, want) and torch.equal(rank, want)
+
+
+@triton.jit
+def _rank_only(kept_ptr, inc_ptr, out_ptr, KP: tl.constexpr):
+    rk = tl.arange(0, KP)
+    tl.store(out_ptr + rk, tree_indexer._best_rank(tl.load(kept_ptr + rk), tl.load(inc_ptr + rk), KP))
+
+
+@pytest.mark.parametrize("kp", [1024, 2048])
+def test_the_interpreter_merge_runs_at_v4_top_k(kp):
+    """V4-Flash's index_topk 512 keeps KP 1024 keys per row, V4-Pro's 1024 KP 2048: the rank
+    count works in chunks, so no block passes Triton's 2^20-element limit (one [2 KP, 2 KP] block
+    would be 4M / 16M elements)."""
+    g = torch.Generator().manual_seed(kp)
+    pool = torch.tensor([tree_indexer.NO_KEY] * 64 + torch.randint(-2 ** 40, 2 ** 40, (3 * kp,), generator=g).tolist())
+    kept = pool[torch.randint(0, pool.numel(), (kp,), generator=g)].sort(descending=True).values
+    inc = pool[torch.randint(0, pool.numel(), (kp,), generator=g)]
+    got = torch.empty(kp, dtype=torch.int64)
+    _rank_only[(1,)](kept, inc, got, KP=kp)
+    assert torch.equal(got, torch.cat([kept, inc]).sort(descending=True).values[:kp]), f"{kp=}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_v4_flash_top_512_equals_reference(kv_dtype, device):
+    """The whole kernel at V4-Flash's indexer: 64 index heads of 128, top 512 (KP 1024) of 1,500
+    committed keys and a few branch keys each, an 8-row tree, against the reference index for
+    index. Integer scores: exact on both sides, so thousands of boundary pairs are all decidable
+    (random scores at this size put some pair within the accumulation bound)."""
+    args, _ = case((8,), (1500,), 64, 4, 64, 128, kv_dtype, seed=4, device=device, ints=True)
+    # no assert_boundaries_decidable: integer dot products (|sum| < 2^24) are exact in any order
+    want = ref_indexer_topk(**args, topk=512)
+    got = kernels.indexer_topk_scores(**args, topk=512)
+    for name, x, y in zip(("selected", "lengths", "ties"), got[:3], want[:3]):
+        assert torch.equal(x, y), f"{name} differ at V4-Flash dims, {kv_dtype=}"
+    assert (got[1][:-1] == 512).all() and want[2].sum() > 0, "the case plants ties at the boundary"
 
 
 @pytest.mark.parametrize("sizes,lens,epp,kb", [((3, 1, 4), (37, 0, 9), 4, 2), ((20,), (9,), 4, 40)])

@@ -50,11 +50,13 @@ def main(argv=None) -> int:
             w[k] = max(w[k], r[k] or 0)
         w["min_mma"] = r["mma"] if w["min_mma"] is None else min(w["min_mma"], r["mma"] or 0)
         w["flags"] = sorted(set(w["flags"]) | set(r["flags"]))
-    print(json.dumps({"ok": report.ok, "verdict": report.verdict, "controls": report.controls,
+    import triton
+
+    print(json.dumps({"ok": report.ok, "triton": triton.__version__, "verdict": report.verdict, "controls": report.controls,
                       "record_s": round(report.record_s, 1), "compile_s": round(report.compile_s, 1), "kernels": worst}))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ok": report.ok, "verdict": report.verdict, "controls": report.controls, "rows": report.rows,
+            json.dump({"ok": report.ok, "triton": triton.__version__, "verdict": report.verdict, "controls": report.controls, "rows": report.rows,
                        "record_s": report.record_s, "compile_s": report.compile_s}, f, indent=1)
     return 0 if report.ok else 1
 

@@ -5,7 +5,8 @@
 target, no GPU needed) and the same `_pack_args`, so the signature (pointer dtypes, i32 / i64),
 the constexprs (ints equal to 1 included), the 16-divisibility of pointers and ints and the
 launch options (num_warps, num_stages, enable_fp_fusion, ...) are exactly what a GPU would
-compile. `_pack_args` is a private API, stable under the exact `triton==3.9.0` pin.
+compile. `_pack_args` is a private API; its form is the same in Triton 3.6 to 3.9 (the versions the
+gate runs under, design_notes/triton-versions.md).
 A KernelSpec is plain data (JSON), so the compile worker can rebuild the ASTSource in a process
 without TRITON_INTERPRET."""
 from __future__ import annotations
@@ -15,6 +16,9 @@ import json
 from dataclasses import dataclass, field
 
 TARGET = ("cuda", 90, 32)  # H100 / H200: sm_90a, warp size 32
+# Knobs JITFunction.run adds to a launch's keywords before binding: 3.6-3.8 pass
+# instrumentation_mode; 3.9 added fpsan_homomorphic_casts (knob and option together)
+RUN_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,9 @@ class Specialiser:
         kwargs = dict(kwargs)
         # what JITFunction.run adds before binding
         kwargs["debug"] = kwargs.get("debug", jf.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        for name in RUN_KNOBS:  # the compilation knobs this Triton's JITFunction.run passes as options
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
         bound, specialization, options = binder(*args, **kwargs)
         _, signature, constexprs, attrs = jf._pack_args(self.backend, kwargs, bound, specialization, options)
         given = {k: v for k, v in kwargs.items() if k not in signature}

@@ -36,3 +36,15 @@ def test_our_requirements_hold_for_sglangs_pins():
 def test_transformers_pin_is_the_hf_extra():
     hf = {r.name: str(r.specifier) for r in requirements("hf")}
     assert hf.get("transformers") == "==5.23.0"
+
+
+def test_triton_is_the_one_the_main_suites_gate_compiles_with():
+    """SGLang's torch 2.14.1 brings Triton 3.8.x, under which the plug-in's kernels run on a GPU.
+    The main suite compiles the sm_90a gate under exactly this version (tests/test_aot_gate.py,
+    scripts/triton_env.sh): a move here must move that version too."""
+    import re
+
+    from pathlib import Path
+
+    gate = (Path(__file__).resolve().parents[1] / "test_aot_gate.py").read_text()
+    assert f'SGLANG_TRITON = "{md.version("triton")}"' in gate, re.findall(r"SGLANG_TRITON = .*", gate)
