@@ -8,7 +8,7 @@ generated token ids are identical. `--algorithm EAGLE` (default) drafts with the
 layer; `--algorithm DSPARK` with its DSpark block drafter (a checkpoint with `dspark_*` config
 keys): the baseline is SGLang's DSpark chain (N = gamma + 1), the tree launches the plug-in's
 DSpark tree step (`--speculative-eagle-topk K --speculative-num-draft-tokens N`, with
-SGLANG_DSPARK_FOLDED_PROPOSAL=0 and `--grammar-backend none`, which the tree requires). Exit status: 0 identical, 1 the outputs
+SGLANG_DSPARK_FOLDED_PROPOSAL=0, which the tree requires). Exit status: 0 identical, 1 the outputs
 differ, 2 a launch or request failed (or bad arguments), 3 they differ first at a near tie: the
 baseline's two best tokens there lie within NEAR_TIE nats. All runs are exact greedy decoders, but
 in bf16 they verify through kernels of different shapes (4 rows against 8), whose roundings can
@@ -45,8 +45,7 @@ LAUNCHES = 3
 # significant bits, so a logit of magnitude ~10-30 carries a rounding of ~0.04-0.1 per value
 NEAR_TIE = 0.1
 ALGORITHMS = ("EAGLE", "DSPARK")
-# what the DSpark tree step needs (SGLang's defaults fold a chain proposal into the draft graph and
-# pick a grammar backend)
+# what the DSpark tree step needs (SGLang's default folds a chain proposal into the draft graph)
 DSPARK_TREE_ENV = {"SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}
 DEFAULT_PROMPT = ("Explain, step by step, how a binary search tree keeps its keys ordered, how insertion and "
                   "deletion work, and why a balanced tree answers lookups in logarithmic time.")
@@ -87,8 +86,7 @@ def launches(a: argparse.Namespace) -> list[dict]:
     env = {"SGLANG_PLUGINS": "dsv4_tree"}  # SGLang's plug-in whitelist: this plug-in only
     if algorithm == "DSPARK":  # SGLang resolves one step and, for the chain, N = gamma + 1
         chain = dict(common, speculative_eagle_topk=1)
-        tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens,
-                    grammar_backend="none")
+        tree = dict(common, speculative_eagle_topk=a.topk, speculative_num_draft_tokens=a.num_draft_tokens)
         tree_env = dict(env, **DSPARK_TREE_ENV)
     else:
         common["speculative_num_steps"] = a.num_steps

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..errors import InputError, StateError
+from ..errors import ConfigError, InputError, StateError
 from .cost_table import LineTable
 
 
@@ -39,6 +39,12 @@ def profile_costs(engine, drafter, prompts, batch_sizes=(1, 4, 16), nodes=None, 
     if policy is None or getattr(drafter, "size", None) == "fixed":
         raise InputError("profile_costs needs an adaptive DSpark drafter (DSparkDrafter(..., size='adaptive')): "
                          "it times rounds at forced budgets")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"profile_costs: rounds must be an int >= 1, got {rounds!r}")
+    if (isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__iter__")
+            or not (batch_sizes := tuple(batch_sizes))
+            or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 1 for r in batch_sizes)):
+        raise ConfigError(f"profile_costs: batch_sizes must be one or more ints >= 1, got {batch_sizes!r}")
     top = engine.spec.num_draft_tokens
     nodes = sorted(set(nodes or (1, (1 + top) // 2, top)))
     if not all(isinstance(n, int) and 1 <= n <= top for n in nodes) or len(nodes) < 2:

@@ -32,6 +32,18 @@ PROBE_EVERY = 16  # online: rounds between probes of the budget far from the cho
 LINES_FORMAT = "dsv4_tree.cost_lines"
 
 
+def _numbers(name: str, values, positive: bool = False) -> None:
+    """Each of `values` a finite real number (not a bool or a string), >= 0 (> 0 where positive):
+    probes, seconds and rates as SGLang's own loader takes them."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"cost table: {name} must be a list of numbers, got {values!r:.80}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            raise ConfigError(f"cost table: {name} must hold finite numbers, got {v!r:.40} in {list(values)!r:.80}")
+        if v < 0 or positive and v == 0:
+            raise ConfigError(f"cost table: {name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+
+
 def _check_probes(name: str, probes, values) -> None:
     if not probes:
         raise ConfigError(f"cost table: {name} needs at least one probe")
@@ -61,6 +73,9 @@ class StepsPerSecondTable:
     max_batch_tokens: int
 
     def __post_init__(self) -> None:
+        _numbers("sample_batch_tokens", self.sample_batch_tokens)
+        _numbers("sample_steps_per_sec", self.sample_steps_per_sec, positive=True)
+        _numbers("max_batch_tokens", (self.max_batch_tokens,))
         _check_probes("sample_batch_tokens", self.sample_batch_tokens, self.sample_steps_per_sec)
         if self.max_batch_tokens < self.sample_batch_tokens[-1]:
             raise ConfigError(f"cost table: max_batch_tokens={self.max_batch_tokens} is below the largest probe "
@@ -85,10 +100,11 @@ class AdditiveTable:
     theta_seconds: tuple
 
     def __post_init__(self) -> None:
+        _numbers("bias_seconds", (self.bias_seconds,), positive=True)
+        for name in ("bs_probes", "alpha_seconds", "m_probes", "theta_seconds"):
+            _numbers(name, getattr(self, name))
         _check_probes("bs_probes", self.bs_probes, self.alpha_seconds)
         _check_probes("m_probes", self.m_probes, self.theta_seconds)
-        if not self.bias_seconds > 0:
-            raise ConfigError(f"cost table: bias_seconds must be > 0, got {self.bias_seconds}")
 
     def seconds(self, num_requests: int, count: int) -> torch.Tensor:
         """Step seconds at R + b verify tokens, b = 0 .. count - 1."""
@@ -118,12 +134,12 @@ class LineTable:
     note: str = ""  # where and how it was measured
 
     def __post_init__(self) -> None:
+        for name in ("batch_sizes", "base_seconds", "seconds_per_node"):
+            _numbers(name, getattr(self, name))
         _check_probes("batch_sizes", self.batch_sizes, self.base_seconds)
         if len(self.seconds_per_node) != len(self.batch_sizes):
             raise ConfigError(f"cost table: seconds_per_node has {len(self.seconds_per_node)} values for "
                               f"{len(self.batch_sizes)} batch sizes")
-        if any(not np.isfinite(x) or x < 0 for x in (*self.base_seconds, *self.seconds_per_node)):
-            raise ConfigError("cost table: base_seconds and seconds_per_node must be finite and >= 0")
 
     def line(self, num_requests: int) -> tuple:
         r = float(num_requests)
@@ -174,6 +190,8 @@ def load_cost_table(path):
         return cls(**args)
     except TypeError as exc:
         raise ConfigError(f"{path}: malformed cost table: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
 
 
 @dataclass

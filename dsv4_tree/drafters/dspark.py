@@ -48,6 +48,7 @@ from .depth import candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
+from .node_values import as_value_model
 from .value_events import ValueLearner
 
 
@@ -151,7 +152,7 @@ class DSparkDrafter:
         self.set_cost_table(cost_table)
         if size == "adaptive":
             self.policy = self._new_policy()
-        self.values = ValueLearner(values, learn=False) if values is not None else ValueLearner()
+        self.values = ValueLearner(as_value_model(values), learn=False) if values is not None else ValueLearner()
         self._measuring = False  # the last draft chose its size: end_round reports to the policy
         self.contexts: dict = {}  # request_id -> DSparkContext
         self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)

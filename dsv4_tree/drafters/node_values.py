@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,10 +60,15 @@ class ValueModel:
     weights: tuple | None = None
 
     def __post_init__(self) -> None:
-        if self.weights is not None and (len(self.weights) != len(FEATURES)
-                                         or not all(np.isfinite(w) for w in self.weights)):
+        w = self.weights
+        if w is None:
+            return
+        numbers = isinstance(w, (tuple, list)) and all(
+            isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool) for x in w)
+        if not numbers or len(w) != len(FEATURES) or not all(np.isfinite(x) for x in w):
             raise ConfigError(f"ValueModel.weights must be {len(FEATURES)} finite numbers ({', '.join(FEATURES)}), "
-                              f"got {self.weights!r}")
+                              f"got {w!r}")
+        object.__setattr__(self, "weights", tuple(float(x) for x in w))
 
     def share(self, probs: torch.Tensor, conf: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
         """[..., K] g of each child of each parent, float64 (feats: `features(probs, conf)` when
@@ -78,11 +84,36 @@ class ValueModel:
 
     @classmethod
     def from_json(cls, text: str) -> "ValueModel":
-        data = json.loads(text)
+        """A model from `to_json`'s text; ConfigError naming what is wrong with any other."""
+        if not isinstance(text, (str, bytes)):
+            raise ConfigError(f"ValueModel.from_json takes JSON text, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"a ValueModel's JSON does not parse: {exc}") from exc
         if not isinstance(data, dict) or data.get("features") != list(FEATURES):
-            raise ConfigError(f"a ValueModel's JSON must name features {list(FEATURES)}")
+            raise ConfigError(f"a ValueModel's JSON must be an object naming features {list(FEATURES)}")
         w = data.get("weights")
-        return cls(None if w is None else tuple(float(x) for x in w))
+        if w is not None and not isinstance(w, list):
+            raise ConfigError(f"a ValueModel's JSON weights must be a list of {len(FEATURES)} numbers or null, "
+                              f"got {w!r}")
+        return cls(None if w is None else tuple(w))
+
+
+def as_value_model(values) -> ValueModel:
+    """A DSpark drafter's `values=` argument as a ValueModel: a ValueModel, its JSON text
+    (`ValueModel.to_json`) or the path of a file holding it; ConfigError for anything else."""
+    if isinstance(values, ValueModel):
+        return values
+    if hasattr(values, "__fspath__") or isinstance(values, str) and not values.lstrip().startswith("{"):
+        try:
+            values = Path(values).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"values: cannot read a ValueModel file {values}: {exc}") from exc
+    if isinstance(values, str):
+        return ValueModel.from_json(values)
+    raise ConfigError(f"values must be a ValueModel (drafters/node_values.py), its JSON text or a path to it, "
+                      f"got {type(values).__name__} {values!r:.80}")
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, iters: int = 30) -> np.ndarray:

@@ -43,6 +43,9 @@ HOOKS = (
      "around_dspark_worker_init"),
     ("sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2._forward_decode", "AROUND",
      "around_dspark_forward_decode"),
+    # a grammar-guided request on a DSpark-tree server finishes at admission (grammar.py)
+    ("sglang.srt.constrained.grammar_manager.GrammarManager.process_req_with_grammar", "AROUND",
+     "around_process_req_with_grammar"),
 )
 HOOK_TARGETS = tuple(target for target, _, _ in HOOKS)
 

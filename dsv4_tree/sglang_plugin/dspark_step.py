@@ -85,8 +85,8 @@ class DSparkTreeStep:
         if batch.forward_mode.is_idle():
             return w._decode_idle_result(on_publish=on_publish)
         if batch.has_grammar:
-            raise StateError("dsv4_tree DSPARK tree: a batch with grammar-guided requests (the tree step "
-                             "needs --grammar-backend none)")
+            raise StateError("dsv4_tree DSPARK tree: a batch with grammar-guided requests reached the tree step "
+                             "(grammar.py finishes them at admission; was the plug-in loaded in the scheduler?)")
         if batch.seq_lens.is_cuda:
             batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs = len(batch.seq_lens)

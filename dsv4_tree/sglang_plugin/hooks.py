@@ -25,6 +25,7 @@ from .dspark_args import around_handle_dspark  # noqa: F401 (registered by name,
 from .dspark_runtime import (around_get_alloc_len_per_decode, around_num_tokens_per_req_for_target_verify,  # noqa: F401
                              around_resolve_runtime_config)
 from .dspark_worker import around_dspark_forward_decode, around_dspark_worker_init  # noqa: F401
+from .grammar import around_process_req_with_grammar  # noqa: F401 (registered by name, __init__.HOOKS)
 from .ring import around_resolve_compress_state_ring_size  # noqa: F401 (registered by name, __init__.HOOKS)
 from .server_settings import settings_from_server_args  # noqa: F401 (tests read it here)
 from .validate import DSV4_ARCHS, tree_requested, validate_tree_settings

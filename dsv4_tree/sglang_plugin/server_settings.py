@@ -32,8 +32,11 @@ def settings_from_server_args(server_args) -> TreeServeSettings:
         disaggregation_mode=str(cfg.disaggregation_mode or "null"),
         debug_cuda_graph=bool(getattr(cfg, "debug_cuda_graph", False)),
         metadata_glue=bool(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()),
+        two_batch_overlap=bool(cfg.enable_two_batch_overlap),
+        accept_threshold_single=float(cfg.speculative_accept_threshold_single),
+        accept_threshold_acc=float(cfg.speculative_accept_threshold_acc),
         model_type=str(getattr(hf_config, "model_type", "")), gamma=int(cfg.speculative_dspark_block_size or 0),
-        attn_dp_size=int(cfg.attn_dp_size or 1), grammar_backend=cfg.grammar_backend,
+        attn_dp_size=int(cfg.attn_dp_size or 1),
         unsupported=unsupported_options(cfg) if cfg.speculative_algorithm == "DSPARK" else (),
     )
 

@@ -40,11 +40,13 @@ class TreeServeSettings:
     disaggregation_mode: str = "null"  # PD disaggregation registers the buffers' addresses
     debug_cuda_graph: bool = False  # --debug-cuda-graph: SGLang's breakable graphs (a prep the tree backend lacks)
     metadata_glue: bool = False  # SGLANG_ENABLE_METADATA_GLUE_GRAPH: replays a captured metadata prep
+    two_batch_overlap: bool = False  # --enable-two-batch-overlap: splits the batch, wraps the attention backend
+    accept_threshold_single: float = 1.0  # --speculative-accept-threshold-single (sampling)
+    accept_threshold_acc: float = 1.0  # --speculative-accept-threshold-acc (sampling)
     # DSPARK only (validate_dspark.py)
     model_type: str = "deepseek_v4"  # the target's hf model_type (deepseek_v41: DeepSeek-V4.1)
     gamma: int = 0  # the DSpark block size (draft rows per round, the tree's depth)
     attn_dp_size: int = 1  # DP attention
-    grammar_backend: str | None = None  # --grammar-backend
     unsupported: tuple = ()  # names of the set DSpark options the tree step does not run (envs, flags)
 
 
@@ -64,6 +66,14 @@ def verify_path_checks(s: TreeServeSettings) -> tuple:
          "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 is not supported (its glue graph replays the target-verify "
          "metadata prep by address; the tree backend's prep copies the round's tree from the live verify input, "
          "so a replay would keep the capture round's tree)"),
+        (not s.two_batch_overlap,
+         "--enable-two-batch-overlap is not supported (it splits a verify batch in two and wraps the attention "
+         "backend per half; the tree metadata is built for the whole batch's rows, and no test shows a split "
+         "batch's tree rows equal the unsplit batch's)"),
+        (s.accept_threshold_single == 1.0 and s.accept_threshold_acc == 1.0,
+         f"--speculative-accept-threshold-single / --speculative-accept-threshold-acc must stay 1.0 with trees "
+         f"(got {s.accept_threshold_single} / {s.accept_threshold_acc}): below 1.0 SGLang's tree sampling accepts "
+         f"draft tokens the target would not have sampled, so sampled output is no longer lossless"),
         (s.attn_cp_size == 1, f"attention context parallelism is not supported (attn_cp_size={s.attn_cp_size}, must be 1)"),
         (s.dcp_size == 1, f"decode context parallelism is not supported (dcp_size={s.dcp_size}, must be 1)"),
         (not s.enable_prefill_cp, "--enable-prefill-cp is not supported"),

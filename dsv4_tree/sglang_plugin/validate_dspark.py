@@ -4,11 +4,12 @@ to the tree verify's (`validate.py`): pure functions of the resolved settings.
 The tree decode step (`dspark_step.py`) drafts one Markov tree per request from SGLang's own
 backbone pass, verifies it through the tree backend, accepts and commits with SGLang's tree code
 and commits the draft context from the accepted nodes. What it does not run is refused here by
-name: DeepSeek-V4.1 (its layer loop and serving extras are not covered), DP attention, grammar
-(launch with --grammar-backend none), and every SGLang option that folds chain-only work into
+name: DeepSeek-V4.1 (its layer loop and serving extras are not covered), DP attention, and every
+SGLang option that folds chain-only work into
 graphs or kernels (the folded proposal and its megakernel, the verify epilogues, the deferred
 context commit, block-wise or rejection sampling, simulated acceptance, the early verify
-metadata), listed in `settings.unsupported`."""
+metadata), listed in `settings.unsupported`. Any grammar backend is accepted: a request that
+carries a grammar is refused at admission (`grammar.py`), the others are served as trees."""
 from __future__ import annotations
 
 from ..hooks import candidate_pool_size
@@ -55,8 +56,5 @@ def dspark_checks(s) -> tuple:
          f"= {pool}), so at most {pool + 1}"),
         (s.attn_dp_size == 1, f"DP attention is not supported with DSpark trees (attn_dp_size={s.attn_dp_size}, "
                               f"must be 1)"),
-        (s.grammar_backend == "none",
-         f"grammar-guided decoding is not supported with DSpark trees: launch with --grammar-backend none "
-         f"(got {s.grammar_backend!r})"),
         (not s.unsupported, "these options are not supported with DSpark trees: " + "; ".join(s.unsupported)),
     )

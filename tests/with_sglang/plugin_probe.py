@@ -46,15 +46,16 @@ def llama_dir(root: str) -> str:
 REFUSED = {"pp_size=2": dict(pp_size=2), "--enable-multi-layer-eagle": dict(enable_multi_layer_eagle=True),
            "--enable-hisparse": dict(enable_hisparse=True),
            "--enable-hierarchical-cache": dict(enable_hierarchical_cache=True),
-           "disaggregation_mode='decode'": dict(disaggregation_mode="decode")}
+           "disaggregation_mode='decode'": dict(disaggregation_mode="decode"),
+           "--speculative-accept-threshold-single / --speculative-accept-threshold-acc must stay 1.0":
+               dict(speculative_accept_threshold_single=0.8)}
 
 
 # DSPARK resolution needs a CUDA, NPU or XPU device name (SGLang refuses "cpu"); nothing is allocated
 DSPARK = dict(speculative_algorithm="DSPARK", speculative_num_steps=None, device="cuda")
-DSPARK_TREE = dict(DSPARK, speculative_eagle_topk=4, speculative_num_draft_tokens=8, grammar_backend="none")
+DSPARK_TREE = dict(DSPARK, speculative_eagle_topk=4, speculative_num_draft_tokens=8)  # SGLang's default grammar backend
 TREE_ENV = {"SGLANG_DSPARK_FOLDED_PROPOSAL": "0"}  # SGLang's default folds a chain proposal into the draft graph
-DSPARK_REFUSED = {"--grammar-backend none": (dict(DSPARK_TREE, grammar_backend=None), TREE_ENV),
-                  "SGLANG_DSPARK_FOLDED_PROPOSAL": (DSPARK_TREE, {}),
+DSPARK_REFUSED = {"SGLANG_DSPARK_FOLDED_PROPOSAL": (DSPARK_TREE, {}),
                   "SGLANG_RAGGED_VERIFY_MODE must be 'static'": (DSPARK_TREE, dict(TREE_ENV, SGLANG_RAGGED_VERIFY_MODE="compact")),
                   "SGLANG_ENABLE_METADATA_GLUE_GRAPH": (DSPARK_TREE, dict(TREE_ENV, SGLANG_ENABLE_METADATA_GLUE_GRAPH="1")),
                   "disaggregation_mode='decode'": (dict(DSPARK_TREE, disaggregation_mode="decode"), TREE_ENV),

@@ -39,7 +39,7 @@ def probes(tmp_path_factory):
 def test_load_plugins_applies_every_hook(probes):
     on, off = probes
     assert on["entry_points"] == ["dsv4_tree=dsv4_tree.sglang_plugin:register"]
-    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 13
+    assert on["applied"] == sorted(plugin.HOOK_TARGETS) and len(plugin.HOOK_TARGETS) == 14
     assert off["applied"] == []
     assert on["move_kv_cache"] and not off["move_kv_cache"]  # set by register() (the registry cannot add it)
 
@@ -70,7 +70,9 @@ def test_tree_settings_outside_the_plugin_are_refused_by_name(probes):
     # read from the resolved server arguments (settings_from_server_args), refused by name
     refused = on["v4_topk4_refused"]
     assert sorted(refused) == sorted(["pp_size=2", "--enable-multi-layer-eagle", "--enable-hisparse",
-                                      "--enable-hierarchical-cache", "disaggregation_mode='decode'"])
+                                      "--enable-hierarchical-cache", "disaggregation_mode='decode'",
+                                      "--speculative-accept-threshold-single / --speculative-accept-threshold-acc "
+                                      "must stay 1.0"])
     for named, res in refused.items():
         assert res["error"].startswith("ConfigError") and named in res["error"], (named, res)
 
@@ -207,6 +209,9 @@ def settings(**kw) -> TreeServeSettings:
     ({"hisparse": True}, "--enable-hisparse"),
     ({"hierarchical_cache": True}, "--enable-hierarchical-cache"),
     ({"disaggregation_mode": "decode"}, "disaggregation_mode='decode'"),
+    ({"two_batch_overlap": True}, "--enable-two-batch-overlap is not supported"),
+    ({"accept_threshold_single": 0.9}, "must stay 1.0 with trees \\(got 0.9 / 1.0\\).*no longer lossless"),
+    ({"accept_threshold_acc": 0.5}, "must stay 1.0 with trees \\(got 1.0 / 0.5\\)"),
     ({"num_steps": 0}, "--speculative-num-steps must be >= 1"),
     # 3 candidates needed, SGLang's draft gives topk x 1 step = 2
     ({"topk": 2, "num_steps": 1, "num_draft_tokens": 4}, "needs 3 draft candidates.*organize_draft_results.*= 2"),
@@ -218,7 +223,7 @@ def test_validator_names_the_setting(change, named):
 
 
 def dspark_settings(**kw) -> TreeServeSettings:
-    return settings(**dict(dict(speculative_algorithm="DSPARK", num_steps=1, gamma=5, grammar_backend="none"), **kw))
+    return settings(**dict(dict(speculative_algorithm="DSPARK", num_steps=1, gamma=5), **kw))
 
 
 @pytest.mark.parametrize("change, named", [
@@ -228,8 +233,8 @@ def dspark_settings(**kw) -> TreeServeSettings:
     ({"num_draft_tokens": 4}, "must be >= the DSpark block size 5"),
     ({"topk": 2, "gamma": 1, "num_draft_tokens": 4}, "needs 3 draft candidates.*at most 3"),
     ({"attn_dp_size": 2}, "DP attention.*attn_dp_size=2"),
-    ({"grammar_backend": "xgrammar"}, "--grammar-backend none"),
-    ({"grammar_backend": None}, "--grammar-backend none"),
+    ({"two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ({"accept_threshold_single": 0.5}, "--speculative-accept-threshold-single"),
     ({"unsupported": ("SGLANG_DSPARK_FOLDED_PROPOSAL (must be 0: ...)",)}, "SGLANG_DSPARK_FOLDED_PROPOSAL"),
     ({"ragged_verify_mode": "compact"}, "SGLANG_RAGGED_VERIFY_MODE"),
     ({"ragged_verify_mode": "cap-accept"}, "SGLANG_RAGGED_VERIFY_MODE"),
