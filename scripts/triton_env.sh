@@ -1,6 +1,7 @@
-# Sourced (or run) with a Triton version: make .venv-triton<version>, the main environment (.venv,
-# scripts/env.sh) with only Triton replaced, for the sm_90a gate under the compiler a GPU user of
-# that version gets (design_notes/triton-versions.md):
+# Sourced (or run) with a Triton version: make <venv>-triton<version> (.venv-triton3.8.0 over
+# .venv), the main environment (scripts/env.sh, with its DSV4_TREE_TORCH) with only Triton
+# replaced, for the sm_90a gate under the compiler a GPU user of that version gets
+# (design_notes/triton-versions.md):
 #     source scripts/triton_env.sh 3.8.0     # sets TRITON_VENV; SGLang 0.5.23's torch 2.14.1 brings 3.8.0
 # The Triton wheel goes into a folder cached per version ($DSV4_TREE_CACHE, as the base
 # environments); the venv's site-packages reads that folder first, then .venv's. Triton 3.6's
@@ -24,7 +25,7 @@ if [ ! -f "$_tv_dir/.complete" ]; then
   touch "$_tv_dir.tmp-$$/.complete"
   rm -rf "$_tv_dir" && mv "$_tv_dir.tmp-$$" "$_tv_dir"
 fi
-TRITON_VENV="$ROOT/.venv-triton$_tv"
+TRITON_VENV="$VENV-triton$_tv"
 if [ ! -x "$TRITON_VENV/bin/python" ]; then
   python3 -m venv --without-pip "$TRITON_VENV"
 fi

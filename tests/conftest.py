@@ -33,7 +33,25 @@ def pytest_configure(config):
         raise pytest.UsageError("DSV4_TREE_GPU=1 but torch sees no CUDA device")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-files", type=int, default=None, metavar="SEED",
+                     help="run the test files in an order shuffled by SEED (each file's tests in their own "
+                          "order): with -p no:xdist, a check that no test depends on what ran before it")
+
+
+def _shuffle_files(items, seed: int) -> None:
+    import random
+
+    files = list(dict.fromkeys(item.path for item in items))
+    random.Random(seed).shuffle(files)
+    rank = {f: i for i, f in enumerate(files)}
+    items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order
+
+
 def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle-files")
+    if seed is not None:
+        _shuffle_files(items, seed)
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.on_device)

@@ -91,3 +91,12 @@ def anchors(path: Path) -> set:
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
     return out
+
+
+_NUMBERS = re.compile(r"-?\d+(?:\.\d+)?(?:\s+-?\d+(?:\.\d+)?)*")
+
+
+def output_skeleton(line: str) -> str:
+    """A line of program output with its numbers (a run of space-separated numbers as one) made
+    '#': what stays the same from run to run, the fields and their order."""
+    return _NUMBERS.sub("#", line.strip())

@@ -88,13 +88,18 @@ def test_each_limit_flags_its_own_breach():
 
 
 def gate_under(version: str, scenarios, cache=None) -> dict:
-    """`python -m dsv4_tree.aot` in .venv-triton<version> (built by scripts/triton_env.sh when
-    missing): the library's launches recorded and compiled under that Triton. Its --json report."""
-    python = ROOT / f".venv-triton{version}" / "bin" / "python"
+    """`python -m dsv4_tree.aot` in this environment with only Triton replaced (<venv>-triton<version>,
+    built by scripts/triton_env.sh when missing): the library's launches recorded and compiled
+    under that Triton. Its --json report."""
+    import torch
+
+    venv = Path(sys.prefix + f"-triton{version}")
+    python = venv / "bin" / "python"
     if not python.exists() or subprocess.run([str(python), "-c", "import triton, dsv4_tree"]).returncode:
+        env = dict(os.environ, DSV4_TREE_TORCH=torch.__version__.split("+")[0], DSV4_TREE_VENV=sys.prefix)
         subprocess.run(["bash", str(ROOT / "scripts" / "triton_env.sh"), version], check=True, cwd=ROOT,
-                       stdout=sys.stderr)
-    out = ROOT / f".venv-triton{version}" / f"gate-{os.getpid()}.json"
+                       stdout=sys.stderr, env=env)
+    out = venv / f"gate-{os.getpid()}.json"
     cmd = [str(python), "-m", "dsv4_tree.aot", "--scenarios", ",".join(scenarios), "--json", str(out)]
     if cache:
         cmd += ["--cache", str(cache)]
@@ -138,6 +143,20 @@ def test_full_gate_under_each_cuda_torchs_triton(version):
     assert all(fired for _, _, fired in rep["controls"]), rep["controls"]
     if version in KNOWN_FLAGS:
         assert any(KNOWN_FLAGS[version](r) for r in rep["rows"]), f"Triton {version}: the known flags are gone"
+
+
+@pytest.mark.slow
+def test_the_derived_launch_set_compiles_clean():
+    """Every specialisation of the launch rules' scenarios (launch_rules.py: both pools, bucketed
+    verify at every batch bucket and N, prefill chunks and tails, at tiny, V4-Flash and V4-Pro
+    dims), which tests/test_aot_coverage.py holds the public paths to, compiles clean under this
+    environment's Triton."""
+    from dsv4_tree.aot.gate import run_gate
+    from dsv4_tree.aot.scenarios import RULES
+
+    rep = run_gate(RULES, cache_dir=_aot_cache(), with_controls=False)
+    assert len(rep.rows) >= 80, "every rules scenario's launches recorded"
+    assert rep.flagged == 0, _fail_text(rep)
 
 
 @pytest.mark.slow

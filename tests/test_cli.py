@@ -9,11 +9,34 @@ import pytest
 from dsv4_tree.cli import main
 
 
-def test_demo_chain_and_tree(capsys):
+@pytest.fixture(scope="module")
+def demo_out():
+    """What `dsv4-tree demo` (./scripts/demo, the README's quick start) prints, at 2 rounds."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
+    return buf.getvalue()
+
+
+def test_the_readmes_demo_lines_have_the_demos_fields_in_order(demo_out):
+    """Every output line the README shows for the demo (its `text` blocks' `rounds:` / `compare:`
+    lines) has the structure a run prints: the same fields in the same order, numbers aside."""
+    from doc_blocks import ROOT, blocks, output_skeleton
+
+    shown = [line for b in blocks(ROOT / "README.md") if b.label == "text" for line in b.code.split("\n")
+             if line.startswith(("rounds:", "compare:"))]
+    assert {line.split(":")[0] for line in shown} == {"rounds", "compare"}, shown
+    printed = {output_skeleton(line) for line in demo_out.splitlines() if line.startswith(("rounds:", "compare:"))}
+    for line in shown:
+        assert output_skeleton(line) in printed, f"README: {line!r}\nthe demo prints: {sorted(printed)}"
+
+
+def test_demo_chain_and_tree(demo_out, capsys):
     """Default: the shipped trained checkpoint with its MTP drafter, as a chain and as a tree,
     ending with one comparison line; spec flags select one mode."""
-    assert main(["demo", "--rounds", "2", "--prompt-len", "40"]) == 0
-    out = capsys.readouterr().out
+    out = demo_out
     assert "rel_err" in out and "tiny-stdlib-bytes" in out and "continuation:" in out
     assert "topk=1 num_steps=3 num_draft_tokens=4 draft_depth=fixed" in out
     assert "topk=4 num_steps=5 num_draft_tokens=8 draft_depth=adaptive" in out  # the preset tree

@@ -8,15 +8,25 @@ from transformers import DeepseekV4ForCausalLM, LogitsProcessor, LogitsProcessor
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import dsv4_tree as dt
+from dsv4_tree.hf_generate.engines import ENGINES_ATTR
 from dsv4_tree.train.corpus import heldout_prompt
 
 NEW = 16
 
 
-@functools.lru_cache(maxsize=None)
 def hf_model(which: str) -> DeepseekV4ForCausalLM:
     """A plain from_pretrained model, fp32 (transformers' default dtype for these bf16 files
-    would be bf16, where two correct implementations differ by rounding)."""
+    would be bf16, where two correct implementations differ by rounding). The weights load once
+    per process; the engines custom_generate keeps on the model (model.__dict__[ENGINES_ATTR])
+    are dropped on every call, so a test sees only the engines its own calls made, whatever ran
+    before it in the process."""
+    model = _loaded(which)
+    model.__dict__.pop(ENGINES_ATTR, None)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(which: str) -> DeepseekV4ForCausalLM:
     path = dt.trained_checkpoint() if which == "trained" else dt.tiny_checkpoint()
     return DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 

@@ -17,13 +17,19 @@ run (record.py says why that gives the same specs), so V4-Flash / V4-Pro shapes 
     pro           V4-Pro dims (128 heads, top-k 1024): verify N = 8 at bs 1 and 2 (KP = 2048), a prefill
                   in 256-row chunks, and 256 rows at an 8400-token context (KP = 2048, 16-row tiles)
     extra         kernels outside the Triton verify step at V4-Flash dims: the SGLang plug-in's
-                  pool_entries (C4 and C128 compressors) and indexer_gather / indexer_paged scores
+                  pool_entries (C4 and C128 compressors, SGLang's fp32 kv_score) and
+                  indexer_gather / indexer_paged scores
+    tiny-rules, flash-rules, pro-rules
+                  what the library's launch rules give (launch_rules.py): "auto" and FP8 pools,
+                  verify bucketed as on CUDA at every batch bucket up to max_requests and N 1 to
+                  64, prefill chunks and their tails
+    flash-sample  the per-push subset of flash-rules (tests/test_aot_coverage.py)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from .launch_rules import rule_steps
 from .record import LaunchRecorder
+from .steps import Prefill, Scenario, Verify
 
 _COMPRESS = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _SMALL_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256)
@@ -33,31 +39,6 @@ FLASH = dict(vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_
              index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, compress_rates=_COMPRESS,
              max_position_embeddings=1 << 21, **_SMALL_MOE)
 PRO = dict(FLASH, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024)
-
-
-@dataclass(frozen=True)
-class Verify:
-    """Verify steps of trees of `n` nodes for requests of committed lengths `contexts` (one
-    request per length: bs = len(contexts)), then a greedy commit. Above 64 nodes the tree is a
-    chain: the rows of a prefill chunk of n rows at that context."""
-
-    n: int
-    contexts: tuple
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """A prefill of `length` tokens in chunks of `chunk` rows."""
-
-    length: int
-    chunk: int
-
-
-@dataclass(frozen=True)
-class Scenario:
-    dims: str  # "tiny" | "flash" | "pro"
-    steps: tuple  # Verify / Prefill
-    extra: bool = False  # the launchers outside the verify step (pool_entries, indexer gather)
 
 
 SCENARIOS = {
@@ -70,8 +51,12 @@ SCENARIOS = {
     "pro": Scenario("pro", (Verify(8, (8400,)), Verify(8, (8400, 8413)), Prefill(300, 256), Verify(256, (8400,)))),
     "extra": Scenario("flash", (), extra=True),
 }
+# derived from the library's launch rules (launch_rules.py): defaults, buckets, both pools
+SCENARIOS.update({f"{dims}-rules": Scenario(dims, rule_steps(dims)) for dims in ("tiny", "flash", "pro")})
+SCENARIOS["flash-sample"] = Scenario("flash", rule_steps("flash", sample=True))
 QUICK = ("tiny", "flash-verify")  # the normal suite's gate
-FULL = tuple(SCENARIOS)  # `slow` / scripts/aot_gate --full
+RULES = ("tiny-rules", "flash-rules", "pro-rules")  # hundreds of steps: recorded and compiled nightly under 3.9
+FULL = tuple(n for n in SCENARIOS if n not in RULES)  # `slow` under every Triton / scripts/aot_gate --full
 
 
 def model_for(dims: str, dtype=None, device: str = "cpu"):
@@ -91,12 +76,14 @@ def model_for(dims: str, dtype=None, device: str = "cpu"):
     return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
 
 
-def _engine(model, n: int, chunk: int, max_context: int):
+def _engine(model, n: int, chunk: int, max_context: int, pools: str = "fp8_e4m3", max_requests: int = 2,
+            bucketed: bool = False):
     import dsv4_tree as dt
 
-    spec = dt.SpecConfig(eagle_topk=4, num_steps=max(2, n), num_draft_tokens=n, prefill_chunk=chunk, max_requests=2,
-                         max_total_tokens=max_context + 2048, kv_cache_dtype="fp8_e4m3", page_size=256,
-                         attention_backend="triton")
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=max(2, n), num_draft_tokens=n, prefill_chunk=chunk,
+                         max_requests=max_requests, max_total_tokens=max_context + 2048 * max_requests,
+                         kv_cache_dtype=pools, page_size=256, attention_backend="triton",
+                         cuda_graph_max_bs=max_requests if bucketed else None)
     return dt.Engine(model, spec)
 
 
@@ -108,11 +95,15 @@ def _run_step(model, step) -> None:
     from dsv4_tree.tree.simulate import eagle_tree
 
     if isinstance(step, Prefill):
-        eng = _engine(model, 8, step.chunk, step.length)
-        req = eng.prefill(torch.randint(2, 1000, (step.length,), generator=torch.Generator().manual_seed(step.length)))
-        eng.release(req)
+        eng = _engine(model, step.n, step.chunk, step.length * step.prompts, step.pools,
+                      max(step.max_requests, step.prompts))
+        g = torch.Generator().manual_seed(step.length)
+        reqs = eng.prefill_batch([torch.randint(2, 1000, (step.length,), generator=g) for _ in range(step.prompts)])
+        for r in reqs:
+            eng.release(r)
         return
-    eng = _engine(model, step.n, 64, sum(step.contexts))
+    eng = _engine(model, step.n, 64, sum(step.contexts), step.pools, max(step.max_requests, len(step.contexts)),
+                  step.bucketed)
     reqs = [synthetic_request(eng, p, seed=p) for p in step.contexts]
     trees = [eagle_tree(5, step.n, seed=i) if step.n <= 64 else DraftTree.chain([5] + [7] * (step.n - 1))
              for i in range(len(reqs))]
@@ -123,20 +114,28 @@ def _run_step(model, step) -> None:
 
 
 def _run_extra(device: str = "cpu") -> None:
-    """pool_entries at the plug-in's C4 (8 rows) and C128 (128 rows) compressors, d = 512, and
-    the gather / paged indexer scores at V4-Flash's 64 x 128 index heads."""
+    """pool_entries as the SGLang plug-in calls it (sglang_plugin/compressor.py): SGLang's fp32
+    kv_score rows through `gate_and_kv`, at the C4 (8 rows) and C128 (128 rows) compressors of
+    the attention (head_dim 512) and the indexer (128), with a bf16 and an fp32 norm weight; the
+    gather / paged indexer scores at V4-Flash's 64 x 128 index heads."""
     import torch
 
     from types import SimpleNamespace
 
     from dsv4_tree import kernels
     from dsv4_tree.serving import KVPool
+    from dsv4_tree.sglang_plugin.compressor import gate_and_kv
 
     z = dict(device=device)
-    norm = SimpleNamespace(weight=torch.ones(512, **z), variance_epsilon=1e-6)  # what pool_entries reads of an RMSNorm
-    for r in (8, 128):
-        kv = torch.zeros(4, r, 512, dtype=torch.bfloat16, **z)
-        kernels.pool_entries(kv, kv.clone(), norm, None, None, lambda x, cos, sin: x)
+    for d in (512, 128):
+        for ratio in (4, 128):
+            w_rows = 2 * ratio if ratio == 4 else ratio
+            src = torch.zeros(3, w_rows, (4 if ratio == 4 else 2) * d, dtype=torch.float32, **z)  # kv_score rows
+            pos = torch.zeros(3, w_rows, dtype=torch.int64, **z)
+            kv, gate = gate_and_kv(src, pos, ratio, d, torch.zeros(w_rows, d, dtype=torch.bfloat16, **z))
+            for wdt in (torch.bfloat16, torch.float32):
+                norm = SimpleNamespace(weight=torch.ones(d, dtype=wdt, **z), variance_epsilon=1e-6)
+                kernels.pool_entries(kv, gate, norm, None, None, lambda x, cos, sin: x)
     keys = KVPool(64, 128, 0, "fp8_e4m3", 16, device, torch.bfloat16, kind="index_key")
     q = torch.zeros(8, 64, 128, dtype=torch.bfloat16, **z)
     w = torch.zeros(8, 64, dtype=torch.float32, **z)
