@@ -16,7 +16,6 @@ def _parse(version: str) -> tuple:
 
 
 TRITON = _parse(triton.__version__)  # (major, minor)
-SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the versions the suite and the sm_90a gate run under
 
 # Launch choices that differ by version, each found by the sm_90a gate (dsv4_tree/aot) compiling
 # the library's launches under that version's compiler and ptxas:

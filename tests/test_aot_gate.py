@@ -2,8 +2,8 @@
 
 The normal suite runs the tiny and V4-Flash N = 8 verify scenarios and the negative controls,
 compiling every recorded specialisation with Triton's compiler and the ptxas / cuobjdump of the
-triton wheel, under this environment's Triton (3.9.0) and under SGLang's (3.8.0, in
-.venv-triton3.8.0: scripts/triton_env.sh); `slow` runs every V4-Flash / V4-Pro scenario under
+triton wheel, under this environment's Triton (3.9.0; the V4-Flash scenario also under SGLang's
+3.8.0, in .venv-triton3.8.0: scripts/triton_env.sh); `slow` runs every V4-Flash / V4-Pro scenario under
 every Triton a supported CUDA torch brings (design_notes/triton-versions.md), with a result
 cache keyed by kernel source and Triton version ($DSV4_TREE_AOT_CACHE, default
 ~/.cache/dsv4-tree/aot)."""
@@ -119,10 +119,11 @@ def _unexpected(report, version):
 
 
 def test_quick_gate_under_sglangs_triton():
-    """The plug-in's kernels run under SGLang's Triton: the same tiny and V4-Flash N = 8 launches,
-    recorded and compiled under 3.8.0, clean; the controls fire."""
-    rep = gate_under(SGLANG_TRITON, QUICK)
-    assert len(rep["rows"]) >= 40
+    """The plug-in's kernels run under SGLang's Triton: the V4-Flash N = 8 launches recorded and
+    compiled under 3.8.0, clean; the controls fire. (The tiny fp32 scenario under 3.8.0 is in the
+    slow job's full run, to keep the per-push run's time: each version's compile is ~2 min here.)"""
+    rep = gate_under(SGLANG_TRITON, ("flash-verify",))
+    assert len(rep["rows"]) >= 20
     assert _unexpected(rep, SGLANG_TRITON) == [] and rep["ok"], rep["verdict"]
     assert all(fired for _, _, fired in rep["controls"]), rep["controls"]
 
