@@ -11,13 +11,12 @@ import pytest
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.checkpoint.dspark import DSparkSettings
-from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.cost_profile import profile_costs
 from dsv4_tree.drafters.cost_table import AdditiveTable, LineTable, load_cost_table
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.node_values import FEATURES, ValueModel
+from test_budget_policy import GAMMA, TREE, model, module  # noqa: F401 (the tiny model and a DSpark module: fixtures)
 
 LINES = {"format": "dsv4_tree.cost_lines", "batch_sizes": [1, 4], "base_seconds": [0.01, 0.02],
          "seconds_per_node": [0.001, 0.001]}
@@ -84,20 +83,6 @@ def test_a_malformed_value_model_is_refused_by_name(text):
 def test_value_model_from_json_refuses_what_is_not_text():
     with pytest.raises(dt.ConfigError, match="JSON text"):
         ValueModel.from_json({"features": list(FEATURES), "weights": WEIGHTS})
-
-
-GAMMA = 4
-TREE = TreeShape(3, GAMMA, 10)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return dt.load_model(dt.tiny_checkpoint())
-
-
-@pytest.fixture(scope="module")
-def module(model):
-    return random_dspark(model.config, DSparkSettings(GAMMA, 8, model.vocab_size - 5, (1, 2, 3)), seed=11)
 
 
 def test_the_drafter_takes_a_value_model_its_json_or_a_path(model, module, tmp_path):
