@@ -106,8 +106,9 @@ def _best_rank(kept, incoming, KP: tl.constexpr):
     i = tl.arange(0, 2 * KP)
     rk = tl.arange(0, KP)
     top = tl.zeros((KP,), tl.int64)
-    for c0 in tl.static_range(0, 2 * KP, RANK_CHUNK):
-        j = c0 + tl.arange(0, RANK_CHUNK)  # the chunk's positions in the union
+    CH: tl.constexpr = RANK_CHUNK if 2 * KP > RANK_CHUNK else 2 * KP  # one chunk at small KP
+    for c0 in tl.static_range(0, 2 * KP, CH):
+        j = c0 + tl.arange(0, CH)  # the chunk's positions in the union
         v = tl.sum(tl.where(i[None, :] == j[:, None], both[None, :], 0), axis=1)  # their keys
         above = (both[None, :] > v[:, None]) | ((both[None, :] == v[:, None]) & (i[None, :] < j[:, None]))
         rank = tl.where(j < 2 * KP, tl.sum(above.to(tl.int32), axis=1), KP)  # past the union: placed nowhere
