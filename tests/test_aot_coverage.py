@@ -49,20 +49,11 @@ def _public_run(model, pools: str, pairs, context: int = 4200) -> None:
 
 
 def _plugin_compressor() -> None:
-    """sglang_plugin/compressor.py's pooling as it runs inside SGLang: kv_score rows in SGLang's
-    fp32, the ape bias, a bf16 model's norm weight, C4 (2 x 4 rows) and C128, d 512 and 128."""
-    from types import SimpleNamespace
+    """sglang_plugin/compressor.py's pooling as it runs inside SGLang (fp32 kv_score rows, a bf16
+    model's norm weight), the call the gate's `extra` scenario makes."""
+    from dsv4_tree.aot.scenarios import plugin_pool_entries
 
-    from dsv4_tree import kernels
-    from dsv4_tree.sglang_plugin.compressor import gate_and_kv
-
-    for d, ratio in ((512, 4), (512, 128), (128, 4)):
-        w = 2 * ratio if ratio == 4 else ratio
-        src = torch.randn(5, w, (4 if ratio == 4 else 2) * d)  # SGLang's state rows: fp32
-        pos = torch.arange(w).expand(5, w) - 2
-        kv, gate = gate_and_kv(src, pos, ratio, d, torch.randn(w, d, dtype=torch.bfloat16))
-        norm = SimpleNamespace(weight=torch.ones(d, dtype=torch.bfloat16), variance_epsilon=1e-6)
-        kernels.pool_entries(kv, gate, norm, None, None, lambda x, cos, sin: x)
+    plugin_pool_entries("cpu", weight_dtypes=(torch.bfloat16,))
 
 
 def _recorded(fn) -> dict:

@@ -1,7 +1,7 @@
 """The gate's scenarios derived from the library's launch rules, not picked by hand.
 
     steps = rule_steps("flash")                 # every verify / prefill the rules give at V4-Flash dims
-    steps = rule_steps("flash", sample=True)    # the per-push sample
+    steps = rule_steps("flash", sample=True)    # the coverage test's sample
 
 What the library launches under its own defaults (`SpecConfig()`) on a GPU:
 
@@ -50,7 +50,7 @@ def _contexts(base: int, b: int) -> list:
     return out + [tuple(edge + i for i in range(b))]
 
 
-SAMPLE = ((4, 1), (8, 3))  # (N, requests) of the per-push sample: a chain alone, a tree in a padded bucket
+SAMPLE = ((4, 1), (8, 3))  # (N, requests) of the coverage sample: a chain alone, a tree in a padded bucket
 
 
 def rule_steps(dims: str, sample: bool = False) -> tuple:

@@ -23,7 +23,7 @@ run (record.py says why that gives the same specs), so V4-Flash / V4-Pro shapes 
                   what the library's launch rules give (launch_rules.py): "auto" and FP8 pools,
                   verify bucketed as on CUDA at every batch bucket up to max_requests and N 1 to
                   64, prefill chunks and their tails
-    flash-sample  the per-push subset of flash-rules (tests/test_aot_coverage.py)
+    flash-sample  the subset of flash-rules the coverage test holds a public run to (nightly)
 """
 from __future__ import annotations
 
@@ -113,17 +113,16 @@ def _run_step(model, step) -> None:
         eng.release(r)
 
 
-def _run_extra(device: str = "cpu") -> None:
+def plugin_pool_entries(device: str = "cpu", weight_dtypes=None) -> None:
     """pool_entries as the SGLang plug-in calls it (sglang_plugin/compressor.py): SGLang's fp32
-    kv_score rows through `gate_and_kv`, at the C4 (8 rows) and C128 (128 rows) compressors of
-    the attention (head_dim 512) and the indexer (128), with a bf16 and an fp32 norm weight; the
-    gather / paged indexer scores at V4-Flash's 64 x 128 index heads."""
+    kv_score rows through `gate_and_kv` (with the ape bias), at the C4 (2 x 4 rows) and C128
+    (128 rows) compressors of the attention (head_dim 512) and the indexer (128), with a norm
+    weight of each of `weight_dtypes` (default bf16, a bf16 model's, and fp32)."""
     import torch
 
     from types import SimpleNamespace
 
     from dsv4_tree import kernels
-    from dsv4_tree.serving import KVPool
     from dsv4_tree.sglang_plugin.compressor import gate_and_kv
 
     z = dict(device=device)
@@ -131,11 +130,23 @@ def _run_extra(device: str = "cpu") -> None:
         for ratio in (4, 128):
             w_rows = 2 * ratio if ratio == 4 else ratio
             src = torch.zeros(3, w_rows, (4 if ratio == 4 else 2) * d, dtype=torch.float32, **z)  # kv_score rows
-            pos = torch.zeros(3, w_rows, dtype=torch.int64, **z)
+            pos = torch.arange(w_rows, **z).expand(3, w_rows) - 2  # two null rows (before position 0)
             kv, gate = gate_and_kv(src, pos, ratio, d, torch.zeros(w_rows, d, dtype=torch.bfloat16, **z))
-            for wdt in (torch.bfloat16, torch.float32):
+            for wdt in weight_dtypes or (torch.bfloat16, torch.float32):
                 norm = SimpleNamespace(weight=torch.ones(d, dtype=wdt, **z), variance_epsilon=1e-6)
                 kernels.pool_entries(kv, gate, norm, None, None, lambda x, cos, sin: x)
+
+
+def _run_extra(device: str = "cpu") -> None:
+    """The plug-in's pool_entries (plugin_pool_entries) and the gather / paged indexer scores at
+    V4-Flash's 64 x 128 index heads."""
+    import torch
+
+    from dsv4_tree import kernels
+    from dsv4_tree.serving import KVPool
+
+    z = dict(device=device)
+    plugin_pool_entries(device)
     keys = KVPool(64, 128, 0, "fp8_e4m3", 16, device, torch.bfloat16, kind="index_key")
     q = torch.zeros(8, 64, 128, dtype=torch.bfloat16, **z)
     w = torch.zeros(8, 64, dtype=torch.float32, **z)
