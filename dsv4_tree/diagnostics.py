@@ -287,3 +287,76 @@ class forbid_host_sync(TorchDispatchMode):
         if reason is not None:
             raise StateError(f"host synchronisation inside forbid_host_sync(): {func} {reason}")
         return func(*args, **kwargs)
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Counts host reads inside the `with` block: every op forbid_host_sync refuses (a scalar
+    read, `aten.equal`, a data-dependent output shape, a device-to-host copy), plus
+    `Tensor.tolist()` / `Tensor.numpy()`, which read a CPU tensor's memory without dispatching
+    an op (on a GPU tensor they are the device-to-host copy). On a GPU each is a stream sync.
+
+    total: reads counted; by_reason: Counter keyed by the op ("aten.nonzero", "Tensor.tolist");
+    where: Counter keyed by (op, the innermost dsv4_tree frame "file:line") when `trace=True`."""
+
+    _READS = ("tolist", "numpy")
+
+    def __init__(self, trace: bool = False):
+        super().__init__()
+        self.total = 0
+        self.by_reason: collections.Counter = collections.Counter()
+        self.where: collections.Counter = collections.Counter()
+        self.trace = trace
+        self._saved: dict = {}
+        self._depth = 0  # a tolist() of a tensor dispatches nothing on CPU; on meta it would: count once
+
+    def _note(self, what: str) -> None:
+        self.total += 1
+        self.by_reason[what] += 1
+        if self.trace:
+            self.where[(what, _project_frame())] += 1
+
+    def __enter__(self):
+        def wrap(name, f):
+            def read(t, *args, **kwargs):
+                self._note(f"Tensor.{name}")
+                self._depth += 1
+                try:
+                    return f(t, *args, **kwargs)
+                finally:
+                    self._depth -= 1
+            return read
+
+        self._saved = {name: getattr(torch.Tensor, name) for name in self._READS}
+        for name, f in self._saved.items():
+            setattr(torch.Tensor, name, wrap(name, f))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, f in self._saved.items():
+            setattr(torch.Tensor, name, f)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._depth and _sync_reason(func, args, kwargs) is not None:
+            self._note(str(func.overloadpacket))
+        return func(*args, **kwargs)
+
+
+def _project_frame() -> str:
+    """The innermost stack frame inside dsv4_tree (not this module): "path:line"."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        if "dsv4_tree" in frame.filename and not frame.filename.endswith("diagnostics.py"):
+            return f"{frame.filename.split('dsv4_tree/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+def host_values(t: torch.Tensor):
+    """A numpy view of a tensor that lives in host memory on every machine (host bookkeeping
+    such as per-request lengths, or a CPU-only code path): not a device read, so HostReadCounter
+    does not count it. StateError for a tensor on another device, which would be one."""
+    if t.device.type != "cpu":
+        raise StateError(f"host_values of a {t.device.type} tensor: that is a device read")
+    return torch._C.TensorBase.numpy(t.detach())

@@ -21,6 +21,7 @@ from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
 from .tree.draft_tree import DraftTree
+from .verify.accept_batch import device_greedy
 from .verify.accept import Acceptance, greedy_walk
 from .verify.sampling import sample_tree, target_probs
 
@@ -191,12 +192,16 @@ class Engine(EngineChecks):
         """Longest path where each node is the target's argmax at its parent (SGLang order)."""
         self._check_out(requests, trees, out)
         accs = []
-        # one argmax and one host copy for the whole batch (out.logits[b] are slices of run.logits)
-        targets = out.run.logits[: sum(out.plan.num_nodes)].argmax(-1).tolist()
-        for b, (req, tree) in enumerate(zip(requests, trees)):
-            o, n = out.plan.offsets[b], out.plan.num_nodes[b]
-            path, bonus = greedy_walk(tree, targets[o : o + n])
-            accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
+        if all(t.is_made for t in trees):  # the engine's own drafts: accepted on the device, one read
+            for req, (path, bonus) in zip(requests, device_greedy(trees, out)):
+                accs.append(Acceptance(path, bonus, req.request_id, out.verify_id))
+        else:
+            # one argmax and one host copy for the whole batch (out.logits[b] are slices of run.logits)
+            targets = out.run.logits[: sum(out.plan.num_nodes)].argmax(-1).tolist()
+            for b, (req, tree) in enumerate(zip(requests, trees)):
+                o, n = out.plan.offsets[b], out.plan.num_nodes[b]
+                path, bonus = greedy_walk(tree, targets[o : o + n])
+                accs.append(Acceptance(tuple(path), bonus, req.request_id, out.verify_id))
         accs = agree_acceptances(self.model, trees, accs)  # sharded model: rank 0's, on every rank
         self._last = out
         return accs

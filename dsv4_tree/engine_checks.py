@@ -126,6 +126,9 @@ class EngineChecks:
                 raise InputError(f"trees[{b}] is a {type(tree).__name__}, not a dsv4_tree.DraftTree")
             if enforce_limits and tree.num_nodes > self.limits.max_nodes:
                 raise InputError(f"trees[{b}] has {tree.num_nodes} nodes; num_draft_tokens allows {self.limits.max_nodes}")
+        if all(t.is_made for t in trees):  # the engine's own drafts: their host lists, no tensor read
+            self._check_made(requests, trees, enforce_limits)
+            return
         # the tensor checks run once over all trees packed together (a fixed number of ops)
         sizes = [t.num_nodes for t in trees]
         starts = list(itertools.accumulate([0] + sizes[:-1]))
@@ -145,6 +148,20 @@ class EngineChecks:
                 raise InputError(f"trees[{b}] reaches position {req.seq_len + depth}; "
                                  f"max_position_embeddings={self.limits.max_positions}")
 
+    def _check_made(self, requests, trees, enforce_limits: bool) -> None:
+        """_check_batch's per-tree limits for trees DraftTree.made built (the engine's own drafts):
+        roots and depths from their host lists; token ids and node order hold by construction."""
+        for b, (req, tree) in enumerate(zip(requests, trees)):
+            root = tree.host_lists()[0][0]
+            if root != req.root_token:
+                raise InputError(f"trees[{b}] root token {root} is not the request's pending root token {req.root_token}")
+            depth = tree.max_depth
+            if enforce_limits and depth > self.limits.max_depth:
+                raise InputError(f"trees[{b}] has depth {depth}; num_steps allows {self.limits.max_depth}")
+            if req.seq_len + depth >= self.limits.max_positions:
+                raise InputError(f"trees[{b}] reaches position {req.seq_len + depth}; "
+                                 f"max_position_embeddings={self.limits.max_positions}")
+
     def _check_out(self, requests, trees, out: VerifyOutput) -> None:
         if not isinstance(out, VerifyOutput):
             raise InputError(f"out must be the VerifyOutput of verify(), got {type(out).__name__}")
@@ -154,8 +171,9 @@ class EngineChecks:
             # since would show there first), need checking; host ints, no tensor ops
             self._check_requests(requests, len(trees))
             for b, (req, tree) in enumerate(zip(requests, trees)):
-                if int(tree.tokens[0]) != req.root_token:
-                    raise InputError(f"trees[{b}] root token {int(tree.tokens[0])} is not the request's pending "
+                root = tree.host_lists()[0][0] if tree.is_made else int(tree.tokens[0])
+                if root != req.root_token:
+                    raise InputError(f"trees[{b}] root token {root} is not the request's pending "
                                      f"root token {req.root_token}")
         else:
             self._check_batch(requests, trees, enforce_limits=False)
@@ -203,7 +221,7 @@ class EngineChecks:
             if not nodes or nodes[0] != 0:
                 raise InputError(f"accs[{b}].path must start at the root (node 0)")
             # host ints: each node's parent is the node before it (a root-to-node path)
-            parents = tree.parents.tolist() if len(nodes) > 1 else [-1]
+            parents = tree.host_lists()[1] if len(nodes) > 1 else [-1]
             if not 0 <= min(nodes) <= max(nodes) < tree.num_nodes or any(parents[c] != a for a, c in zip(nodes, nodes[1:])):
                 raise InputError(f"accs[{b}].path {acc.path} is not a root-to-node path of the verified tree")
             if not 0 <= acc.bonus < self.model.vocab_size:

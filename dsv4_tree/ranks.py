@@ -84,6 +84,10 @@ def agree_choice(model, choice: int) -> int:
     """Rank 0's `choice` (a small int) on every rank (the caller's own when not sharded)."""
     if model.ranks is None:
         return choice
+    if isinstance(choice, torch.Tensor):  # a device tensor stays one: broadcast in place, no host read
+        buf = choice.reshape(1).to(model.device, torch.int64).clone()
+        dist.broadcast(buf, src=0, group=model.ranks)
+        return buf[0]
     buf = torch.tensor([choice], dtype=torch.int64).to(model.device)
     dist.broadcast(buf, src=0, group=model.ranks)
     return int(buf.cpu()[0])

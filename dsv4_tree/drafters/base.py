@@ -55,7 +55,7 @@ def check_drafted(drafter, requests, trees) -> None:
     for b, (tree, req) in enumerate(zip(trees, requests)):
         if not isinstance(tree, DraftTree):
             raise InputError(f"{want}; element [{b}] of the {type(trees).__name__} it returned is {_what(tree)}")
-        root = int(tree.tokens[0])
+        root = tree.host_lists()[0][0]
         if root != req.root_token:
             raise InputError(f"{want}, in the requests' order; tree [{b}] it returned has root token {root}, "
                              f"requests[{b}]'s pending root token is {req.root_token}")

@@ -27,7 +27,8 @@ import torch
 
 from ..ranks import agree_choice
 from .cost_table import MeasuredCosts
-from .verify_budget import SURVIVAL_EPS, BudgetChoice, budget_from_sorted, eligible, pick_nodes, survival, verify_lens
+from .verify_budget import (SURVIVAL_EPS, BudgetChoice, budget_fixed, budget_from_sorted, chosen_fixed, eligible_fixed,
+                            survival, verify_lens)
 
 LAG = 2  # rounds between a chain's confidences and the budget they set (SGLang's default relay lag)
 
@@ -66,6 +67,7 @@ class BudgetPolicy:
     _history: dict = field(default_factory=dict)  # request id -> deque of its last `lag` confidence rows
     _pending: tuple | None = None  # (start, request ids, seq lens, total nodes)
     _start: float = 0.0
+    _unsettled: tuple | None = None  # the last tree budget's (budget, seconds, theta) tensors, before `settle`
 
     def __post_init__(self) -> None:
         if not isinstance(self.lag, int) or self.lag < 1:
@@ -120,11 +122,54 @@ class BudgetPolicy:
         return verify_lens(conf, budget)
 
     def tree(self, model, values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool."""
-        pick = eligible(values, depths, self.cap)
-        budget = self._budget(model, pick.values, values.shape[0])
-        self.last_budget, self.kind = budget, "tree"
-        return pick_nodes(pick, tuple(values.shape), budget)
+        """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool.
+
+        At a fixed shape on the values' device: with a cost table or forced nodes no host read
+        (the budget stays a tensor until `settle` gets its host copy from the draft's one read);
+        learning lines online, the eligible count is read (the probes are host decisions)."""
+        r = values.shape[0]
+        pick = eligible_fixed(values, depths, self.cap)
+        self.last_choice, self.kind = None, "tree"
+        if self.forced_nodes is not None:
+            budget = torch.clamp(pick.count, max=max(0, round((self.forced_nodes - 1) * r)))
+            choice = None
+        elif self.table is not None:
+            choice = budget_fixed(pick, r, self.table)
+            budget = choice[0]
+        else:
+            budget, choice = self._online_fixed(pick, r)
+        budget = agree_choice(model, budget)
+        self._unsettled = (budget, choice)
+        return chosen_fixed(pick, tuple(values.shape), budget)
+
+    def _online_fixed(self, pick, r: int) -> tuple:
+        """`_online` over a FixedPick: the eligible count is read (the probes are host decisions),
+        the lines' choice stays on the device. -> (budget, (b, seconds, theta) or None)."""
+        n = int(pick.count)
+        half = n // 2
+        line = self.costs.lines.get(r)
+        if not self.costs.ready(r):  # probe: the full budget, then half of it
+            return pick.count.new_tensor(half if line is not None and r + n in line.samples else n), None
+        choice = budget_fixed(pick, r, self.costs)
+        if line.probe_due():  # the far end, so the line stays anchored at both
+            line.last_probe = line.rounds
+            return torch.where(choice[0] > half, half, n), choice
+        return choice[0], choice
+
+    def unsettled(self) -> torch.Tensor:
+        """[4] float64 (budget, the table's b, seconds, theta; NaN: no table choice) of the last
+        `tree`, read with the trees (the draft's one read)."""
+        budget, choice = self._unsettled
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=budget.device)
+        parts = [budget] + (list(choice) if choice is not None else [nan] * 3)
+        return torch.stack([nan if x is None else x.to(budget.device, torch.float64) for x in parts])
+
+    def settle(self, host: list) -> None:
+        """The last `tree`'s unsettled() values, read on the host."""
+        budget, b, seconds, theta = host
+        self.last_budget = int(budget)
+        self.last_choice = None if b != b else BudgetChoice(int(b), seconds, theta)  # NaN: forced or probing
+        self._unsettled = None
 
     # ------------------------------------------------------------------ measurements
     def drafted(self, requests, total_nodes: int) -> None:

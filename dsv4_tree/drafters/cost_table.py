@@ -85,7 +85,7 @@ class StepsPerSecondTable:
         probes = torch.tensor(self.sample_batch_tokens, dtype=torch.int64)
         tokens = num_requests + torch.arange(tau.numel(), dtype=torch.int64)
         idx = (torch.bucketize(tokens, probes, right=True) - 1).clamp(0, probes.numel() - 1)
-        sps = torch.tensor(self.sample_steps_per_sec, dtype=torch.float64)[idx]
+        sps = torch.tensor(self.sample_steps_per_sec, dtype=torch.float64)[idx].to(tau.device)  # host table, one copy
         return tau * sps, torch.where(sps > 0, 1.0 / sps, torch.full_like(sps, float("inf")))
 
 
@@ -111,7 +111,8 @@ class AdditiveTable:
         floor = self.bias_seconds + _interp(self.bs_probes, self.alpha_seconds, float(num_requests))
         xs = torch.tensor(self.m_probes, dtype=torch.float64)
         ys = torch.tensor(self.theta_seconds, dtype=torch.float64)
-        m = (num_requests + torch.arange(count, dtype=torch.float64)).clamp(min=float(xs[0]), max=float(xs[-1]))
+        m = (num_requests + torch.arange(count, dtype=torch.float64)).clamp(min=float(self.m_probes[0]),
+                                                                          max=float(self.m_probes[-1]))
         if xs.numel() == 1:
             return floor + ys[0].expand(count)
         hi = torch.bucketize(m, xs, right=True).clamp(1, xs.numel() - 1)
@@ -119,7 +120,7 @@ class AdditiveTable:
         return floor + (ys[hi - 1] + frac * (ys[hi] - ys[hi - 1]))
 
     def theta(self, tau: torch.Tensor, num_requests: int):
-        step = self.seconds(num_requests, tau.numel())
+        step = self.seconds(num_requests, tau.numel()).to(tau.device)  # host table, one copy
         return tau / step, step
 
 
@@ -157,7 +158,7 @@ class LineTable:
 
 def _line_theta(tau: torch.Tensor, num_requests: int, line: tuple):
     base, per_node = line
-    totals = num_requests + torch.arange(tau.numel(), dtype=torch.float64)
+    totals = num_requests + torch.arange(tau.numel(), dtype=torch.float64, device=tau.device)
     step = (base + per_node * totals).clamp(min=1e-12)
     return tau / step, step
 

@@ -38,6 +38,7 @@ from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
+from ..tree.tree_batch import TreeBatch
 from ..verify.sampling import target_probs
 from .base import TreeShape
 from .budget_policy import BudgetPolicy
@@ -252,12 +253,15 @@ class DSparkDrafter:
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
         conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
+        if probs is None:  # greedy: the chains in the draft's one read
+            chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
+            trees = TreeBatch(tokens, chain).trees()
         with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
             host = tokens.cpu()
-            q = None if probs is None else probs.cpu()
-            trees = [DraftTree.chain(host[b].clone()) if q is None else
-                     DraftTree(host[b].clone(), torch.arange(host.shape[1]) - 1, draft_probs=q[b].clone())
-                     for b in range(len(requests))]
+            if probs is not None:  # drawn: each chain with its draw distributions (host, from _walk)
+                q = probs.cpu()
+                trees = [DraftTree(host[b].clone(), torch.arange(host.shape[1]) - 1, draft_probs=q[b].clone())
+                         for b in range(len(requests))]
             if self.record:
                 for b, req in enumerate(requests):
                     self.records[req.request_id] = DSparkRecord(blk.base[b].clone(), blk.hidden[b].clone(),
@@ -301,15 +305,11 @@ class DSparkDrafter:
         if size == "adaptive":
             trees, chosen = budget_trees(self.policy, self.values, self.model, requests, exp, anchors, k)
         else:
-            scores, tokens, parents = ([x.cpu() for x in xs] for xs in (exp.score_list, exp.token_list,
-                                                                        exp.parents_list))
-            pool = sum(x[0].numel() for x in scores)
-            org = organize_draft_results(scores, tokens, parents, min(n, pool + 1))
-            local = local_parents(org.parent_list, org.top_scores_index, k)
-            ids = torch.cat([anchors.cpu().unsqueeze(1), org.draft_tokens], 1)
-            with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
-                trees = [DraftTree(ids[i].clone(), local[i].clone()) for i in range(len(requests))]
-            chosen = list(org.top_scores_index)
+            pool = sum(x[0].numel() for x in exp.score_list)
+            org = organize_draft_results(exp.score_list, exp.token_list, exp.parents_list, min(n, pool + 1))
+            local = local_parents(org.parent_list, org.top_scores_index, k, check=False)  # connected by construction
+            trees = TreeBatch(torch.cat([anchors.unsqueeze(1), org.draft_tokens], 1), local).trees()  # the one read
+            chosen = list(org.top_scores_index.cpu()) if self.record else None
         if self.record:
             with torch.inference_mode(False):
                 self._record_tree(requests, trees, blk, exp, chosen, k)

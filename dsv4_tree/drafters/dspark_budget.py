@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from ..diagnostics import host_values
 from ..tree.draft_tree import DraftTree
+from ..tree.tree_batch import TreeBatch
 from .node_values import pool_values
 
 
 def adaptive_chains(policy, model, requests, chains: list, confidence: torch.Tensor) -> list:
     """chains: the drafted DraftTrees (gamma + 1 nodes), confidence [R, gamma] -> each chain's first
     verify-length nodes (a sampled chain keeps its draw distributions for those nodes)."""
-    lens = policy.chain(model, [r.request_id for r in requests], confidence).tolist()
+    lens = host_values(policy.chain(model, [r.request_id for r in requests], confidence)).tolist()  # host already
     trees = [t.first_nodes(n) for t, n in zip(chains, lens)]
     policy.drafted(requests, sum(lens))
     return trees
@@ -23,7 +25,8 @@ def adaptive_chains(policy, model, requests, chains: list, confidence: torch.Ten
 
 def trees_of(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, chosen: torch.Tensor) -> tuple:
     """anchors [R], pool tokens [R, P], parent pool ids [R, P] (-1: the root), chosen [R, P] bool
-    (ancestor-closed) -> (one DraftTree per request, each tree's pool ids [n - 1])."""
+    (ancestor-closed) -> (one DraftTree per request, each tree's pool ids [n - 1]). A reference
+    form, per request on the host (batch_of is the round's)."""
     trees, ids = [], []
     for r in range(chosen.shape[0]):
         sel = chosen[r].nonzero().flatten()  # ascending: a parent's pool id is below its children's
@@ -39,15 +42,39 @@ def trees_of(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     return trees, ids
 
 
+def batch_of(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, chosen: torch.Tensor,
+             cap: int) -> tuple:
+    """trees_of at a fixed shape on the device: each request's chosen pool ids first, ascending
+    (at most cap of them: the pick's per-request cap) -> (TreeBatch [R, cap + 1] with node counts,
+    the pool ids [R, cap], valid for each row's first count - 1)."""
+    r, p = chosen.shape
+    ar = torch.arange(p, device=chosen.device)
+    sel = torch.sort(torch.where(chosen, ar, ar + p), dim=1).values[:, :cap] % p  # [R, cap]
+    count = chosen.sum(1)
+    valid = torch.arange(cap, device=chosen.device) < count.unsqueeze(1)
+    local = torch.full((r, p), -1, dtype=torch.int64, device=chosen.device)
+    local.scatter_(1, sel, torch.where(valid, torch.arange(1, cap + 1, device=chosen.device), -1).expand(r, cap))
+    par = parents.gather(1, sel)
+    node_parent = torch.where(par < 0, torch.zeros_like(par), local.gather(1, par.clamp(min=0)))
+    node_parent = torch.where(valid, node_parent, -1)
+    node_tokens = torch.where(valid, tokens.gather(1, sel), 0)
+    batch = TreeBatch(torch.cat([anchors.unsqueeze(1), node_tokens], 1),
+                      torch.cat([torch.full((r, 1), -1, dtype=torch.int64, device=chosen.device), node_parent], 1),
+                      count + 1)
+    return batch, sel
+
+
 def budget_trees(policy, learner, model, requests, exp, anchors: torch.Tensor, topk: int) -> tuple:
-    """-> (trees, each tree's pool ids): the batch's best nodes by value under one budget."""
+    """-> (trees, each tree's pool ids): the batch's best nodes by value under one budget, picked
+    on the device; the trees and the budget reach the host in the draft's one read."""
     pool = pool_values(exp, learner.model, topk)
     chosen = policy.tree(model, pool.values, pool.depths)
     b = anchors.shape[0]
-    tokens = torch.cat([t.reshape(b, -1) for t in exp.token_list], 1).cpu()
-    with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
-        trees, ids = trees_of(anchors.cpu(), tokens, pool.parents, chosen)
-    learner.drafted(requests, tokens.numpy(), pool)
+    tokens = torch.cat([t.reshape(b, -1) for t in exp.token_list], 1)
+    batch, sel = batch_of(anchors, tokens, pool.parents, chosen, policy.cap)
+    trees, extra = batch.trees_and(policy.unsettled())
+    policy.settle(extra)
+    learner.drafted(requests, tokens, pool)
     policy.drafted(requests, sum(t.num_nodes for t in trees))
     policy.value_weights = learner.model.weights
-    return trees, ids
+    return trees, [sel[i, : t.num_nodes - 1] for i, t in enumerate(trees)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.layer import kv_rows
+from ..diagnostics import host_values
 from ..numerics.hc import hc_head
 from ..numerics.norms import rms_norm
 from ..numerics.rope import apply_rope, rope_pairs, rope_tables
@@ -49,11 +50,11 @@ def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
     gamma: the block's row count, settings.block_rows).
     -> [B * gamma, max(lengths) + gamma] ids into table ++ block rows, -1 = none."""
     b = lengths.shape[0]
-    width = int(lengths.max()) if b else 0
+    width = int(host_values(lengths).max()) if b else 0
     offsets = torch.cumsum(lengths, 0) - lengths
     j = torch.arange(width).unsqueeze(0)
     ctx = torch.where(j < lengths.unsqueeze(1), offsets.unsqueeze(1) + j, torch.full_like(j, -1))
-    own = int(lengths.sum()) + torch.arange(b).unsqueeze(1) * gamma + torch.arange(gamma).unsqueeze(0)
+    own = int(host_values(lengths).sum()) + torch.arange(b).unsqueeze(1) * gamma + torch.arange(gamma).unsqueeze(0)
     return torch.cat([ctx, own], 1).repeat_interleave(gamma, dim=0)
 
 

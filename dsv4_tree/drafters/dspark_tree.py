@@ -5,8 +5,8 @@ come from softmax(U_k + W2 W1[its token]), so a node's child distribution depend
 (request, depth, its token). Expansion is EAGLE-2's wave: at each depth the frontier is the topk
 best nodes by cumulative path probability, each gives its topk children, and the candidate pool
 (organize_draft_results' score_list / token_list / parents_list layout) is what the tree is cut
-from. Frontier nodes of one request and depth that share a token share one bias row, one
-softmax and one top-k (computed once, gathered back).
+from. Every frontier node gets its own bias row, softmax and top-k: a fixed number of rows per
+depth (B x topk), no data-dependent shape.
 
 Alongside path probabilities the expansion keeps what node values are made of
 (drafters/node_values.py): each candidate's probability under its parent's distribution and each
@@ -41,23 +41,21 @@ class MarkovExpansion:
 
 def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased: torch.Tensor,
               topk: int, temperature=None):
-    """Child distributions of frontier nodes, each distinct (request, token, biased) computed once.
+    """Child distributions of frontier nodes, at a fixed shape: one bias row, softmax and top-k
+    per frontier node (B x F rows; no dedupe of equal tokens, whose rows would be equal anyway:
+    a dedupe has a data-dependent shape, which a CUDA graph cannot hold and which reads the host).
     base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F];
     temperature: depth k's STS temperature (None: 1).
     -> (top-K probabilities [B, F, K], their tokens [B, F, K], logits [B, F, V] fp32, confidences [B, F])."""
     b, f = tokens.shape
     vocab = base.shape[-1]
-    rows = torch.arange(b, device=tokens.device).unsqueeze(1).expand(b, f)
-    key = (rows * 2 + biased.long()) * vocab + tokens  # a node's children depend on these three only
-    uniq, inv = torch.unique(key.reshape(-1), return_inverse=True)
-    tok, req = uniq % vocab, uniq // vocab // 2
-    on = ((uniq // vocab) % 2).bool()
+    req = torch.arange(b, device=tokens.device).repeat_interleave(f)  # [B * F]
+    tok, on = tokens.reshape(-1), biased.reshape(-1)
     logits = torch.where(on.unsqueeze(1), markov_logits(module, base[req], tok), base[req].float())
     conf = confidences(module, hidden[req], tok, temperature)
     ids = logits.topk(topk, dim=-1).indices
     probs = torch.softmax(logits, -1).gather(1, ids)
-    return (probs[inv].view(b, f, topk), ids[inv].view(b, f, topk), logits[inv].view(b, f, vocab),
-            conf[inv].view(b, f))
+    return probs.view(b, f, topk), ids.view(b, f, topk), logits.view(b, f, vocab), conf.view(b, f)
 
 
 def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_steps: int,

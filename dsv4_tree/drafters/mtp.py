@@ -33,6 +33,7 @@ from ..errors import ConfigError, StateError
 from ..ranks import agree_choice
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
+from ..tree.tree_batch import TreeBatch
 from .base import TreeShape
 from .depth import DepthPolicy, DraftRound, candidate_depths
 from .mtp_cache import DraftCache, fold_back, pending_rows, root_step, store_rows, window_index
@@ -206,11 +207,11 @@ class MtpDrafter:
         table = torch.cat([table, rows.raw])
         fscore, ftok = torch.softmax(rows.logits.float(), -1).topk(k, dim=-1)  # [B, K]
         score_list, token_list = [fscore.view(b, 1, k)], [ftok]
-        parents_list = [torch.arange(-1, k).expand(b, k + 1)]
+        parents_list = [torch.arange(-1, k, device=dev).expand(b, k + 1)]
         src = torch.arange(b, device=dev).unsqueeze(1).expand(b, k)  # frontier's parent row in `rows`
         anc = (m + src).unsqueeze(2)  # [B, K, s] table ids of each frontier row's ancestors
-        fparent = torch.zeros(b, k, dtype=torch.int64)  # frontier's parent in record numbering
-        rec_parents = [torch.full((b, 1), -1, dtype=torch.int64)]
+        fparent = torch.zeros(b, k, dtype=torch.int64, device=dev)  # frontier's parent in record numbering
+        rec_parents = [torch.full((b, 1), -1, dtype=torch.int64, device=dev)]
         stop = "max"
         if policy is not None:  # host copies of the pool, the frontier and its children's probabilities
             pool, front, child = [fscore.cpu()], fscore.cpu(), fscore.cpu()
@@ -243,7 +244,7 @@ class MtpDrafter:
             fscore, ftok = flat.gather(1, chosen), tflat.gather(1, chosen)
             anc = torch.cat([a[sel.reshape(-1)].view(b, k, s), (m + sel).unsqueeze(2)], 2)
             src = sel
-            fparent = (1 + (s - 1) * k + chosen // k).cpu()
+            fparent = 1 + (s - 1) * k + chosen // k
             if policy is not None:
                 pool.append(flat.cpu())
                 front, child = fscore.cpu(), pc.cpu().view(b, k, k).mean(1)
@@ -252,8 +253,6 @@ class MtpDrafter:
         if self.record:
             with torch.inference_mode(False):  # records are the caller's: ordinary tensors
                 self._record(requests, steps_rows, step_ids, rec_parents, k)
-        cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
-        score_list, token_list, parents_list = cpu(score_list), cpu(token_list), cpu(parents_list)
         pool_size = sum(x[0].numel() for x in score_list)
         org = organize_draft_results(score_list, token_list, parents_list, min(n, pool_size + 1))
         if policy is not None:
@@ -262,10 +261,9 @@ class MtpDrafter:
                            candidate_depths(org.top_scores_index, k))
         # the trees build_tree's tensors describe (tests/test_mtp_incremental.py checks the two
         # agree), straight from the selection: SGLang's masks and links are not needed here
-        parents = local_parents(org.parent_list, org.top_scores_index, k)
-        tokens = torch.cat([roots.cpu().unsqueeze(1), org.draft_tokens], 1)
-        with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
-            trees = [DraftTree(tokens[i].clone(), parents[i].clone()) for i in range(b)]
+        parents = local_parents(org.parent_list, org.top_scores_index, k, check=False)
+        tokens = torch.cat([roots.unsqueeze(1), org.draft_tokens], 1)
+        trees = TreeBatch(tokens, parents).trees()  # the draft's one host read
         return DraftExpansion(score_list, token_list, parents_list, trees)
 
     def _record(self, requests, steps_rows, step_ids, rec_parents, k) -> None:
@@ -273,5 +271,5 @@ class MtpDrafter:
             per = [slice(i, i + 1)] + [slice(i * k, (i + 1) * k)] * (len(steps_rows) - 1)
             pick = lambda xs: torch.cat([x[sl] for x, sl in zip(xs, per)])  # noqa: E731
             rows = MtpRows(*(pick([getattr(r, f) for r in steps_rows]) for f in ("logits", "hidden", "raw")))
-            parents = torch.cat([p[i] for p in rec_parents])
+            parents = torch.cat([p[i] for p in rec_parents]).cpu()
             self.records[req.request_id] = DraftRecord(DraftTree(pick(step_ids).cpu().long(), parents), rows)

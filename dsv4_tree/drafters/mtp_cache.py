@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..diagnostics import host_values
 from ..errors import StateError
 
 
@@ -120,7 +121,7 @@ def window_index(lengths: torch.Tensor, depth, rows_per_request: int, window: in
     (one per request). Returns [B * rows_per_request,
     max(lengths)] table ids on `device`, -1 = not visible (row j of request b, position
     seq_len - w + j, is visible when within the window). Built on the host: no device read."""
-    width = int(lengths.max()) if lengths.numel() else 0
+    width = int(host_values(lengths).max()) if lengths.numel() else 0
     offsets = torch.cumsum(lengths, 0) - lengths
     j = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, width]
     lo = (lengths + depth - window + 1).unsqueeze(1)  # first visible j

@@ -76,7 +76,7 @@ class ValueModel:
         if self.weights is None:
             return prior_share(probs.to(torch.float64), conf.to(torch.float64))
         f = features(probs, conf) if feats is None else feats
-        g = torch.sigmoid(f @ torch.tensor(self.weights, dtype=torch.float64))
+        g = torch.sigmoid(f @ torch.tensor(self.weights, dtype=torch.float64, device=f.device))
         return g / g.sum(-1, keepdim=True).clamp(min=1.0)
 
     def to_json(self) -> str:
@@ -148,22 +148,23 @@ def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
     """v of every candidate of a MarkovExpansion (drafters/dspark_tree.py): depth by depth, the
     parent's value (gathered by its pool index) times the child's share."""
     b = exp.token_list[0].shape[0]
-    probs = [x.detach().cpu().to(torch.float64).reshape(b, -1, topk) for x in exp.prob_list]  # [B, F_d, K]
-    confs = [x.detach().cpu().to(torch.float64).reshape(b, -1) for x in exp.confidence_list]  # [B, F_d]
+    dev = exp.token_list[0].device  # on the expansion's device: no host copy
+    probs = [x.detach().to(torch.float64).reshape(b, -1, topk) for x in exp.prob_list]  # [B, F_d, K]
+    confs = [x.detach().to(torch.float64).reshape(b, -1) for x in exp.confidence_list]  # [B, F_d]
     vals, depths, parents, feats = [], [], [], []
     for d, (p, c) in enumerate(zip(probs, confs)):
         f = features(p, c)  # [B, F_d, K, F]: the fitted g's inputs and the accept events'
         share = model.share(p, c, f)  # [B, F_d, K]
         if d == 0:
-            par = torch.full((b, topk), -1, dtype=torch.int64)
+            par = torch.full((b, topk), -1, dtype=torch.int64, device=dev)
             v = share.reshape(b, topk)
         else:
             # pool ids of depth d's frontier (organize_draft_results' parents_list: the first holds the root)
-            front = (exp.parents_list[0][:, 1:] if d == 1 else exp.parents_list[d - 1]).detach().cpu().long()
+            front = (exp.parents_list[0][:, 1:] if d == 1 else exp.parents_list[d - 1]).detach().long()
             par = front.unsqueeze(2).expand(b, front.shape[1], topk).reshape(b, -1)
             v = (torch.cat(vals, 1).gather(1, front).unsqueeze(2) * share).reshape(b, -1)
         vals.append(v)
         parents.append(par)
-        depths.append(torch.full((v.shape[1],), d + 1, dtype=torch.int64))
+        depths.append(torch.full((v.shape[1],), d + 1, dtype=torch.int64, device=dev))
         feats.append(f.reshape(b, -1, len(FEATURES)))
     return PoolValues(torch.cat(vals, 1), torch.cat(depths), torch.cat(parents, 1), torch.cat(feats, 1))

@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from ..diagnostics import host_values
 from .node_values import FEATURES, PoolValues, ValueModel, fit_logistic
 
 MIN_EVENTS = 256
@@ -51,14 +53,18 @@ class ValueLearner:
     _pending: _Draft | None = None
 
     def drafted(self, requests, tokens, pool: PoolValues) -> None:
-        """The round's pool: tokens [B, P] (host), the PoolValues it was valued with."""
-        self._pending = _Draft([r.request_id for r in requests], [r.seq_len for r in requests], np.asarray(tokens),
-                               pool.parents.numpy(), pool.depths.numpy(), pool.features.numpy()) if self.learn else None
+        """The round's pool: tokens [B, P], the PoolValues it was valued with (on the device: read
+        once, after the round, by end_round)."""
+        self._pending = (([r.request_id for r in requests], [r.seq_len for r in requests]), tokens, pool) \
+            if self.learn else None
 
     def end_round(self, requests) -> None:
-        pend, self._pending = self._pending, None
-        if pend is None:
+        """The round's accept events, from one host read of its pool (after verify and commit:
+        off the draft-verify path), and a refit when one is due."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
+        pend = _host_draft(*pending)
         where = {rid: i for i, rid in enumerate(pend.request_ids)}
         rows, emitted = [], []
         for req in requests:
@@ -67,7 +73,7 @@ class ValueLearner:
                 continue
             p0 = pend.seq_lens[i]
             rows.append(i)
-            emitted.append(req.tokens[p0 + 1 : req.seq_len].tolist() + [req.root_token])  # depths 1 .. m
+            emitted.append(host_values(req.tokens[p0 + 1 : req.seq_len]).tolist() + [req.root_token])  # depths 1 .. m (host history)
         if rows:
             self._add(*batch_events(pend.tokens[rows], pend.parents[rows], pend.depths, pend.features[rows], emitted))
         self.rounds += 1
@@ -88,6 +94,19 @@ class ValueLearner:
             return
         self.model = ValueModel(tuple(float(w) for w in fit_logistic(self.x[:n], self.y[:n])))
         self.fitted_at = self.rounds
+
+
+def _host_draft(keys, tokens, pool: PoolValues) -> _Draft:
+    """The pool's tokens, parents and features in one device-to-host copy (float64 holds ids and
+    depths exactly). Depths are the same for every request."""
+    b, p = tokens.shape
+    f = pool.features.shape[-1]
+    packed = torch.cat([tokens.to(torch.float64), pool.parents.to(torch.float64),
+                        pool.features.reshape(b, p * f).to(torch.float64),
+                        pool.depths.to(torch.float64).expand(b, p)], 1)
+    host = packed.cpu().numpy() if packed.device.type != "cpu" else packed.numpy()
+    return _Draft(keys[0], keys[1], host[:, :p].astype(np.int64), host[:, p : 2 * p].astype(np.int64),
+                  host[0, (2 + f) * p :].astype(np.int64), host[:, 2 * p : (2 + f) * p].reshape(b, p, f))
 
 
 def events(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, feats: np.ndarray, emitted: list):

@@ -64,7 +64,7 @@ def pick_order(values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     r, p = values.shape
     flat_v = values.reshape(-1).to(torch.float64)
     flat_d = depths.reshape(1, p).expand(r, p).reshape(-1)
-    order = torch.arange(r * p)  # request-major: request, then candidate id, already in order
+    order = torch.arange(r * p, device=values.device)  # request-major: request, then candidate id, already in order
     order = order[torch.argsort(flat_d[order], stable=True)]
     return order[torch.argsort(-flat_v[order], stable=True)]
 
@@ -118,3 +118,56 @@ def pick_nodes(pick: NodePick, shape: tuple, budget: int) -> torch.Tensor:
     mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool)
     mask[pick.order[: max(0, int(budget))]] = True
     return mask.view(shape)
+
+
+@dataclass(frozen=True)
+class FixedPick:
+    """`eligible` at a fixed shape (no host read): every candidate of the batch in pick order,
+    the eligible ones first. order [M] flat indices r * P + c (M = R * P); values [M] float64,
+    0 past the eligible ones; count: a 0-dim tensor, how many are eligible."""
+
+    order: torch.Tensor
+    values: torch.Tensor
+    count: torch.Tensor
+
+
+def eligible_fixed(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float = SURVIVAL_EPS) -> FixedPick:
+    """`eligible`'s candidates in its order, kept at the batch's full size: the same tensors on
+    any batch, no data-dependent shape (a CUDA graph can hold it)."""
+    r, p = values.shape
+    m = r * p
+    order = pick_order(values, depths)
+    flat = values.reshape(-1).to(torch.float64)[order]
+    req = order // p
+    # each candidate's rank within its own request in pick order: a stable sort by request, then
+    # the position within that request's run
+    by_req = torch.argsort(req, stable=True)
+    counts = torch.bincount(req, minlength=r)
+    starts = torch.cumsum(counts, 0) - counts
+    ar = torch.arange(m, device=values.device)
+    rank = torch.empty_like(order).scatter_(0, by_req, ar - starts[req[by_req]])
+    keep = (flat >= eps) & (rank < cap)
+    first = torch.argsort(torch.where(keep, ar, ar + m))  # eligible first, each part in pick order
+    kept = keep[first]
+    return FixedPick(order[first], torch.where(kept, flat[first], torch.zeros_like(flat)), kept.sum())
+
+
+def budget_fixed(pick: FixedPick, num_requests: int, table) -> tuple:
+    """`budget_from_sorted` over a FixedPick: theta at every b in [0, M] (past the eligible count
+    -inf), the first maximum. -> (b, seconds, theta), 0-dim tensors on the pick's device."""
+    m = pick.values.numel()
+    tau = num_requests + torch.cat([pick.values.new_zeros(1), torch.cumsum(pick.values, 0)])
+    theta, seconds = table.theta(tau, num_requests)
+    b = torch.arange(m + 1, device=tau.device)
+    theta = torch.where(b <= pick.count, theta, torch.full_like(theta, float("-inf")))
+    best = torch.argmax(theta)  # the first maximum: the smallest budget among equals
+    at = best.view(1)  # index_select: a 0-dim index in [] would be read on the host
+    return best, (seconds.index_select(0, at)[0] if seconds is not None else None), theta.index_select(0, at)[0]
+
+
+def chosen_fixed(pick: FixedPick, shape: tuple, budget: torch.Tensor) -> torch.Tensor:
+    """The first `budget` eligible candidates -> chosen mask [R, P] bool (budget: an int or a
+    0-dim tensor, at most the eligible count)."""
+    m = pick.order.numel()
+    take = torch.arange(m, device=pick.order.device) < budget
+    return torch.zeros(m, dtype=torch.bool, device=pick.order.device).scatter_(0, pick.order, take).view(shape)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..diagnostics import host_values
 from .casts import as_dtype, f32
 from .norms import rms_norm
 
@@ -50,7 +51,7 @@ def sinkhorn_torch(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def sinkhorn_numpy(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """The same loop on a CPU float32 tensor through numpy (fewer, cheaper calls)."""
-    c, e, total = comb.numpy(), np.float32(eps), np.add.reduce  # the ufunc: no Python wrapper
+    c, e, total = host_values(comb), np.float32(eps), np.add.reduce  # the ufunc: no Python wrapper
     c = c / (total(c, axis=-2, keepdims=True) + e)
     for _ in range(iters - 1):
         c /= total(c, axis=-1, keepdims=True) + e

@@ -69,15 +69,18 @@ def organize_draft_results(score_list, token_list, parents_list, num_draft_token
     return OrganizedDraft(parent_list.long(), top_scores_index.long(), draft_tokens.long())
 
 
-def local_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
-    """Local parent id of every node ([bs, N], root -1). Raises TreeError on a missing parent."""
+def local_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int,
+                  check: bool = True) -> torch.Tensor:
+    """Local parent id of every node ([bs, N], root -1). Raises TreeError on a missing parent.
+    check=False: the selection is organize_draft_results' own (connected by construction), so
+    the checks, which read the device, are skipped: a fixed number of tensor ops, no host read."""
     bs, m = top_scores_index.shape
     if m == 0:
         return torch.full((bs, 1), -1, dtype=torch.int64, device=top_scores_index.device)
     row = top_scores_index // topk  # [bs, N-1]; 0 -> the root
-    if (top_scores_index < 0).any():
+    if check and (top_scores_index < 0).any():
         raise TreeError("top_scores_index holds negative candidate ids")
-    if m and int(row.max()) >= max(parent_list.shape[1], 1):
+    if check and m and int(row.max()) >= max(parent_list.shape[1], 1):
         raise TreeError(
             f"candidate id {int(top_scores_index.max())} needs parent_list row {int(row.max())}, "
             f"but parent_list has {parent_list.shape[1]} columns"
@@ -91,7 +94,7 @@ def local_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, top
     match = top_scores_index.unsqueeze(1) == parent_cand.unsqueeze(2)  # [bs, N-1, N-1]
     found = match.any(-1)
     missing = (parent_cand >= 0) & ~found
-    if missing.any():
+    if check and missing.any():
         b, k = (int(v) for v in missing.nonzero()[0])
         raise TreeError(
             f"request {b}, node {k + 1} (candidate {int(top_scores_index[b, k])}): its parent candidate "
@@ -99,7 +102,7 @@ def local_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, top
         )
     parent_local = torch.where(parent_cand >= 0, match.float().argmax(-1) + 1, torch.zeros_like(row))
     idx = torch.arange(1, m + 1, device=row.device)
-    if (parent_local >= idx).any():
+    if check and (parent_local >= idx).any():
         raise TreeError("a selected node's parent does not precede it (top_scores_index must be ascending)")
     root = torch.full((bs, 1), -1, dtype=torch.int64, device=row.device)
     return torch.cat([root, parent_local.long()], dim=1)

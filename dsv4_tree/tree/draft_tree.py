@@ -85,8 +85,46 @@ class DraftTree:
         if self.draft_probs is not None:
             object.__setattr__(self, "draft_probs", _checked_probs(self.draft_probs, tokens, parents))
 
+    @classmethod
+    def made(cls, tokens: list, parents: list) -> "DraftTree":
+        """A tree the engine's own drafting built, from host lists (a row of the draft's one
+        host read, tree/tree_batch.py): not re-checked (a drafter makes parents before children,
+        token ids from the vocabulary), and it keeps the lists, so reading its structure on the
+        host (acceptance, commit, the engine's limits) costs no further read."""
+        tree = object.__new__(cls)
+        with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
+            object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.int64))
+            object.__setattr__(tree, "parents", torch.tensor(parents, dtype=torch.int64))
+        object.__setattr__(tree, "draft_probs", None)
+        tree.__dict__["_lists"] = (list(tokens), list(parents))
+        tree.__dict__["_made"] = True
+        return tree
+
+    @property
+    def is_made(self) -> bool:
+        """Built by DraftTree.made (the engine's own draft), not by a caller."""
+        return self.__dict__.get("_made", False)
+
+    def host_lists(self) -> tuple:
+        """(tokens, parents) as Python lists: a made tree's own, any other tree's read once."""
+        lists = self.__dict__.get("_lists")
+        if lists is None:
+            lists = (self.tokens.tolist(), self.parents.tolist())
+            self.__dict__["_lists"] = lists
+        return lists
+
+    @functools.cached_property
+    def host_depths(self) -> list:
+        """Depth of every node as Python ints, from host_lists (parents come first)."""
+        depth = [0]
+        for p in self.host_lists()[1][1:]:
+            depth.append(depth[p] + 1)
+        return depth
+
     @functools.cached_property
     def _chain(self) -> bool:
+        if "_lists" in self.__dict__:
+            return all(p == i - 1 for i, p in enumerate(self.host_lists()[1]))
         return bool((self.parents == torch.arange(self.num_nodes) - 1).all())
 
     @functools.cached_property
@@ -141,6 +179,8 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
+        if self.is_made:
+            return max(self.host_depths)
         return int(self.depth.max())
 
     def positions(self, seq_len: int) -> torch.Tensor:
@@ -154,6 +194,11 @@ class DraftTree:
         """The subtree of nodes at depth <= max_depth, node order kept (this tree when it fits)."""
         if self.max_depth <= max_depth:
             return self
+        if self.is_made:  # host lists: no tensor read
+            tokens, parents = self.host_lists()
+            keep = [i for i, d in enumerate(self.host_depths) if d <= max(0, max_depth)]
+            new_id = {old: new for new, old in enumerate(keep)}
+            return DraftTree.made([tokens[i] for i in keep], [-1] + [new_id[parents[i]] for i in keep[1:]])
         keep = self.depth <= max(0, max_depth)
         if self.draft_probs is not None:  # a chain: its first nodes
             return self.first_nodes(int(keep.sum()))
@@ -166,6 +211,9 @@ class DraftTree:
         distributions for a sampled chain (this tree when it has at most n nodes)."""
         if n >= self.num_nodes:
             return self
+        if self.is_made:
+            tokens, parents = self.host_lists()
+            return DraftTree.made(tokens[:n], parents[:n])
         probs = None if self.draft_probs is None else self.draft_probs[: n - 1]
         return DraftTree(self.tokens[:n], self.parents[:n], probs)
 

@@ -23,7 +23,8 @@ class Acceptance:
         return len(self.path) - 1
 
     def emitted(self, tree: DraftTree) -> list:
-        return [int(tree.tokens[i]) for i in self.path[1:]] + [self.bonus]
+        tokens = tree.host_lists()[0]
+        return [tokens[i] for i in self.path[1:]] + [self.bonus]
 
 
 def greedy_path(tree: DraftTree, logits: torch.Tensor) -> tuple[list, int]:
@@ -41,7 +42,7 @@ def greedy_walk(tree: DraftTree, target: list) -> tuple[list, int]:
     n = tree.num_nodes
     if n == 1:
         return [0], target[0]
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = tree.host_lists()
     accepted_child: dict = {}  # node -> its first child that matches the target there
     for i in range(1, n):
         p = parents[i]

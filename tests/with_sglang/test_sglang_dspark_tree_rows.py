@@ -76,3 +76,29 @@ def test_dspark_tree_rows_equal_their_paths_as_chains(monkeypatch, no_flashmla_s
     assert torch.equal(ours.core_attn_metadata.positions_casual.to(torch.int64), vi.positions)
     assert torch.equal(ours.tree.parents.to(torch.int64), parents.to(torch.int64))
     assert_rows_are_paths(ours, req_to_token, mapping, rpi, lens, out_loc, n, chain_row)
+
+
+def test_the_dspark_tree_step_drafts_without_a_host_read(monkeypatch, no_flashmla_schedule, tmp_path):
+    """Between the draft backbone pass and the verify forward the tree step reads nothing on the
+    host: the Markov expansion (fixed shapes, no dedupe) and SGLang's organize_draft_results run
+    under a captured region's rules (no host read, no host data), and SGLang's tree builder (its
+    Triton version here) under forbid_host_sync."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from dsv4_tree.diagnostics import forbid_host_sync
+    from sgl_graph import captured
+
+    gen = torch.Generator().manual_seed(7)
+    use_triton_tree_kernels(monkeypatch)
+    with published_context(dsv4_dir(str(tmp_path)), 8), get_parallel().override(tp_group=None):
+        head = sglang_markov_head(torch.randn(VOCAB, RANK, generator=gen), torch.randn(VOCAB, RANK, generator=gen),
+                                  monkeypatch)
+    heads = SGLangMarkovHeads(SimpleNamespace(markov_head=head))
+    base = 3 * torch.randn(3, GAMMA, VOCAB, generator=gen)
+    anchors = torch.randint(0, VOCAB, (3,), generator=gen)
+    with captured():
+        drafted = draft_tree(heads, base, torch.zeros(3, GAMMA, 4), anchors, 4, 8)
+    with forbid_host_sync():
+        vi = tree_verify_input(drafted, anchors, torch.tensor([40, 300, 7]), 4, GAMMA, 8)
+    assert vi.retrieve_next_token.shape == (3, 8)
+    assert drafted.draft_tokens.shape == (3, 7)

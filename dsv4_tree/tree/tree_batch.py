@@ -1,0 +1,91 @@
+"""TreeBatch: a round's drafted trees as [B, N] tensors on the model's device.
+
+Drafters build their trees batched, at fixed shapes, on the device: row b holds request b's
+tree, node 0 its root, nodes at or past counts[b] padding (parent -1, token 0). What SGLang's
+kernels read is derived from the same tensors (depth, positions, retrieve_index / next_token /
+next_sibling). `trees()` is the draft's one host read: every row's tokens, parents and count in
+one copy, each row made a DraftTree (DraftTree.made: not re-checked, host lists kept)."""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TreeError
+from .build import links_from_parents
+from .draft_tree import DraftTree, depth_by_pointer_jumping
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    tokens: torch.Tensor  # [B, N] int64, node 0 the root
+    parents: torch.Tensor  # [B, N] int64, parents[b, i] < i; -1 at the root and at padding
+    counts: torch.Tensor | None = None  # [B] int64 node counts, None: every row has N nodes
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2 or self.tokens.shape != self.parents.shape:
+            raise TreeError(f"TreeBatch needs tokens and parents of one [B, N] shape, got "
+                            f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+        if self.counts is not None and self.counts.shape != self.tokens.shape[:1]:
+            raise TreeError(f"TreeBatch.counts must be [B] = [{self.tokens.shape[0]}], got {tuple(self.counts.shape)}")
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.tokens.shape)
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """[B, N] depth of every node (padding: 0)."""
+        return depth_by_pointer_jumping(self.parents)
+
+    def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[B, N] absolute positions seq_len + depth (SGLang's positions, per row)."""
+        return seq_lens.to(self.tokens.device).unsqueeze(1) + self.depth
+
+    def links(self) -> tuple:
+        """(retrieve_index [B, N] = b * N + i, retrieve_next_token, retrieve_next_sibling [B, N]):
+        SGLang's first-child / next-sibling lists, children in increasing id (-1: none)."""
+        b, n = self.tokens.shape
+        first, sib = links_from_parents(self.parents)
+        return torch.arange(b * n, device=self.tokens.device).view(b, n), first, sib
+
+    def trees(self) -> list:
+        """One DraftTree per row, from one host read of the whole batch."""
+        return self._read(None)[0]
+
+    def trees_and(self, extra: torch.Tensor) -> tuple:
+        """(trees, extra's values as Python floats): `extra` [k] float64 (what the drafter decided
+        on the device beside the trees, e.g. its budget) rides in the same read, bit for bit."""
+        return self._read(extra)
+
+    def _read(self, extra) -> tuple:
+        b, n = self.tokens.shape
+        cols = [self.tokens, self.parents]
+        if self.counts is not None:
+            cols.append(self.counts.unsqueeze(1).to(torch.int64))
+        packed = torch.cat(cols, 1).reshape(-1)
+        if extra is not None:  # float64 bits as int64: exact through the one copy
+            packed = torch.cat([packed, extra.to(self.tokens.device, torch.float64).reshape(-1).view(torch.int64)])
+        flat = packed.tolist()
+        width = 2 * n + (self.counts is not None)
+        out = []
+        for i in range(b):
+            row = flat[i * width : (i + 1) * width]
+            c = row[2 * n] if self.counts is not None else n
+            out.append(DraftTree.made(row[:c], row[n : n + c]))
+        tail = [] if extra is None else list(struct.unpack(f"<{len(flat) - b * width}d",
+                                                             struct.pack(f"<{len(flat) - b * width}q", *flat[b * width :])))
+        return out, tail
+
+    @classmethod
+    def from_trees(cls, trees: list, device=None) -> "TreeBatch":
+        """DraftTrees padded to the batch's largest (the public trees as one batch)."""
+        n = max(t.num_nodes for t in trees)
+        tokens = torch.zeros(len(trees), n, dtype=torch.int64)
+        parents = torch.full((len(trees), n), -1, dtype=torch.int64)
+        for b, t in enumerate(trees):
+            tokens[b, : t.num_nodes] = t.tokens
+            parents[b, : t.num_nodes] = t.parents
+        counts = torch.tensor([t.num_nodes for t in trees])
+        return cls(tokens.to(device), parents.to(device), counts.to(device))
