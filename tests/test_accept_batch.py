@@ -58,3 +58,71 @@ def test_a_tree_batch_is_read_once_into_made_trees():
     with HostReadCounter() as reads:
         _, extra = TreeBatch(tokens, parents).trees_and(torch.tensor([3.0, 0.125, float("nan")], dtype=torch.float64))
     assert reads.total == 1 and extra[:2] == [3.0, 0.125] and extra[2] != extra[2]
+
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from test_sampling import chi2_sf
+
+    keep = probs > 0
+    exp = counts.sum() * probs[keep]
+    return chi2_sf(float(((counts[keep] - exp) ** 2 / exp).sum()), int(keep.sum()) - 1)
+
+
+def test_batched_sampling_is_lossless_on_a_tree_with_equal_siblings():
+    """sample_accept over 20,000 copies of test_sampling's tree (equal-token siblings, children
+    at two depths) padded beside a lone root: the first emitted token follows the target's root
+    distribution, the second the node it reached, the lone root's bonus its own row."""
+    from dsv4_tree.verify.accept_batch import sample_accept
+    from dsv4_tree.verify.sampling import target_probs
+    from test_sampling import TRIALS, V, tree_and_probs
+
+    tree, logits = tree_and_probs()
+    probs = target_probs(logits, temperature=0.8)
+    trees = [tree] * TRIALS + [DraftTree.chain([1])] * 2000
+    batch = TreeBatch.from_trees(trees)
+    p = probs.unsqueeze(0).expand(len(trees), -1, -1).contiguous()
+    with forbid_host_sync():
+        acc = sample_accept(batch.tokens, batch.parents, p, batch.counts, 2, torch.Generator().manual_seed(3))
+    toks = batch.tokens.gather(1, acc.path.clamp(min=0))
+    first = torch.where(acc.lengths >= 1, toks[:, 1], acc.bonus)[:TRIALS]
+    assert _chi2_p(torch.bincount(first, minlength=V).double(), probs[0]) > 1e-3
+    second = torch.where(acc.lengths >= 2, toks[:, 2], acc.bonus)[:TRIALS]
+    for tok, node in ((2, 1), (4, 3)):
+        reached = (first == tok) & (acc.lengths[:TRIALS] >= 1)
+        assert _chi2_p(torch.bincount(second[reached], minlength=V).double(), probs[node]) > 1e-3
+    lone = acc.bonus[TRIALS:]
+    assert (acc.lengths[TRIALS:] == 0).all() and _chi2_p(torch.bincount(lone, minlength=V).double(), probs[0]) > 1e-3
+
+
+def test_batched_sampling_without_sibling_removal_is_detected(monkeypatch):
+    """Power check: counting an equal-token sibling twice (the classic bug) fails the same test."""
+    from dsv4_tree.verify import accept_batch
+    from dsv4_tree.verify.sampling import target_probs
+    from test_sampling import TRIALS, V, tree_and_probs
+
+    tree, logits = tree_and_probs()
+    probs = target_probs(logits, temperature=0.8)
+    batch = TreeBatch.from_trees([tree] * TRIALS)
+    p = probs.unsqueeze(0).expand(TRIALS, -1, -1).contiguous()
+    monkeypatch.setattr(accept_batch, "counted_before", lambda tokens, parents: torch.zeros_like(tokens, dtype=torch.bool))
+    acc = accept_batch.sample_accept(batch.tokens, batch.parents, p, batch.counts, 2, torch.Generator().manual_seed(3))
+    toks = batch.tokens.gather(1, acc.path.clamp(min=0))
+    first = torch.where(acc.lengths >= 1, toks[:, 1], acc.bonus)
+    assert _chi2_p(torch.bincount(first, minlength=V).double(), probs[0]) < 1e-6
+
+
+def test_children_holding_all_the_mass_take_the_last_child_on_rounding():
+    """The target puts all its mass on the children's tokens: r past the rounded sum picks the
+    last child with mass (verify/sampling.py's rule), never a bonus from an empty remainder."""
+    from dsv4_tree.verify.accept_batch import sample_accept
+
+    tree = DraftTree.from_lists([0, 1, 2], [-1, 0, 0])
+    probs = torch.zeros(1, 3, 4, dtype=torch.float64)
+    probs[0, 0, 1], probs[0, 0, 2] = 0.25, 0.75
+    probs[0, 1:, 3] = 1.0
+    batch = TreeBatch.from_trees([tree] * 4000)
+    acc = sample_accept(batch.tokens, batch.parents, probs.expand(4000, -1, -1), batch.counts, 1,
+                        torch.Generator().manual_seed(0))
+    assert (acc.lengths == 1).all() and set(acc.path[:, 1].tolist()) == {1, 2} and (acc.bonus == 3).all()
+    share = float((acc.path[:, 1] == 1).double().mean())
+    assert abs(share - 0.25) < 4 * (0.25 * 0.75 / 4000) ** 0.5

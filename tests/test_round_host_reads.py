@@ -7,7 +7,9 @@ of its result (verify/accept_batch.py: accept lengths, paths, bonus tokens) and,
 of the round's pool after commit (drafters/value_events.py). Anything else, or a count that grows
 with the batch, fails here, naming the op and the line. Three cases: the MTP tree (topk 4, 5
 steps, 8 nodes), the DSpark chain (fixed) and the budgeted DSpark tree (topk 4, 16 nodes, a cost
-table), greedy, fp32, on the shipped checkpoint."""
+table), greedy, fp32, on the shipped checkpoint; the two trees sampled too (acceptance on the
+device, verify/accept_batch.sample_accept). A sampled DSpark chain is drawn on the host (its
+draw distributions) and is not held to this."""
 from __future__ import annotations
 
 import pytest
@@ -36,10 +38,11 @@ def trained():
     return dt.load_model(dt.trained_checkpoint())
 
 
-def _rounds(model, case: str, bs: int, monkeypatch) -> list:
+def _rounds(model, case: str, bs: int, monkeypatch, temperature=None) -> list:
     """(host reads, ops) of every round that ran all bs requests."""
     kind, topk, steps, nodes, depth = CASES[case]
-    spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth, max_requests=16)
+    spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth, max_requests=16,
+                         accept="greedy" if temperature is None else "sampling")
     engine = dt.Engine(model, spec)
     drafter = "mtp" if kind == "mtp" else DSparkDrafter(model, TreeShape.from_spec(spec), cost_table=TABLE)
     seen, real = [], gb._round
@@ -52,17 +55,19 @@ def _rounds(model, case: str, bs: int, monkeypatch) -> list:
         return out
 
     monkeypatch.setattr(gb, "_round", counted)
-    engine.generate_batch([heldout_prompt(64, s) for s in range(bs)], 8, drafter=drafter, progress=False)
+    engine.generate_batch([heldout_prompt(64, s) for s in range(bs)], 8, drafter=drafter, progress=False,
+                          temperature=temperature, generator=None if temperature is None else torch.Generator().manual_seed(0))
     assert len(seen) >= 2, f"{case} bs {bs}: only {len(seen)} full rounds"
     return seen
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_round_reads_the_host_a_fixed_few_times(trained, case, monkeypatch):
+@pytest.mark.parametrize("case, temperature", [(c, None) for c in CASES] + [
+    ("mtp tree", 1.0), ("dspark tree budgeted", 1.0)])  # sampled: trees fixed before any draw
+def test_a_round_reads_the_host_a_fixed_few_times(trained, case, temperature, monkeypatch):
     counts = {}
     ops = {}
     for bs in (1, 16):
-        rounds = _rounds(trained, case, bs, monkeypatch)
+        rounds = _rounds(trained, case, bs, monkeypatch, temperature)
         for reads, _ in rounds:
             where = {w: n for (_, w), n in reads.where.items()}
             stray = {w: n for w, n in where.items() if w.rsplit(":", 1)[0] not in ALLOWED}

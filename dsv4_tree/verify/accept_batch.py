@@ -1,11 +1,18 @@
-"""Greedy acceptance of a whole batch of trees on the device, at fixed shapes.
+"""Acceptance of a whole batch of trees on the device, at fixed shapes: greedy and sampled.
 
 SGLang's rule (verify_tree_greedy, one thread per request following first-child / next-sibling
 links): from the root, take the first child in sibling order (= lowest local id) whose token is
 the target's argmax at the current node; the bonus is the target's argmax where the walk ends.
 Here as tensor ops over [B, N]: no host read and no data-dependent shape, so a CUDA graph can
 hold it; `greedy_walk` (verify/accept.py) is the per-tree host form it equals
-(tests/test_accept_batch.py)."""
+(tests/test_accept_batch.py).
+
+Sampled (`sample_accept`): verify/sampling.py's recursive rejection sampling of trees fixed before
+any draw, for every request at once: at the current node one uniform r against the running sum
+of the target's probabilities of its children in sibling order (an equal-token sibling adds
+nothing), and past the sum the bonus from the remainder. Lossless like the host walk
+(chi-square tests in tests/test_accept_batch.py); its uniforms are drawn all at once, so its
+draws differ from the host walk's for one seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,15 +68,93 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Ten
 def device_greedy(trees: list, out) -> list:
     """Engine.accept_greedy for DraftTree.made trees: [(path tuple, bonus)] per tree, from
     greedy_accept over the batch padded to its largest tree and one host read of its result."""
+    tokens, parents, rows, counts = _padded(trees, out, out.run.logits.device)
+    target = out.run.logits.argmax(-1)[rows]  # [B, N]
+    acc = greedy_accept(tokens, parents, target, counts, max(t.max_depth for t in trees))
+    return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
+
+
+def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor | None = None,
+                  max_depth: int | None = None, generator: torch.Generator | None = None) -> BatchAcceptance:
+    """tokens / parents [B, N] (padding: parent -1), probs [B, N, V] the target's distributions
+    (float64, verify/sampling.target_probs), counts [B] (None: N), max_depth (None: N - 1).
+    Uniforms come from `generator` on its own device (CPU by default) in one draw of
+    [B, max_depth + 1, 2] and are moved to the trees' device: no host read."""
+    b, n = tokens.shape
+    dev = tokens.device
+    ids = torch.arange(n, device=dev)
+    valid = ids.unsqueeze(0) >= 1
+    if counts is not None:
+        valid = valid & (ids.unsqueeze(0) < counts.unsqueeze(1))
+    dup = counted_before(tokens, parents)
+    steps = n - 1 if max_depth is None else min(max_depth, n - 1)
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(b, steps + 1, 2, generator=generator, dtype=torch.float64, device=gen_dev).to(dev)
+    rows = torch.arange(b, device=dev)
+    cur = torch.zeros(b, dtype=torch.int64, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    lengths = torch.zeros(b, dtype=torch.int64, device=dev)
+    bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+    cols = [cur]
+    for s in range(steps + 1):
+        p_u = probs[rows, cur]  # [B, V]
+        child = valid & (parents == cur.unsqueeze(1))  # [B, c]
+        has = child.any(1)
+        pc = p_u.gather(1, tokens)  # [B, c]
+        cum = torch.cumsum(torch.where(child & ~dup, pc, torch.zeros_like(pc)), 1)
+        hit = child & (u[:, s, 0].unsqueeze(1) < cum)
+        first = torch.where(hit, ids, n).amin(1)
+        removed = torch.zeros_like(p_u).scatter_add_(1, tokens, child.to(p_u.dtype)) > 0  # the children's tokens
+        residual = torch.where(removed, torch.zeros_like(p_u), p_u)
+        # rounding left r just past a sum that is 1: the last child with mass is the pick
+        spent = has & (first == n) & (residual.sum(1) <= 0)
+        last = torch.where(child & (pc > 0), ids, -1).amax(1)
+        first = torch.where(spent & (last >= 0), last, first)
+        chose = (first < n) & ~done
+        stop = ~done & ~chose
+        # the bonus where the walk stops: the remainder (children's tokens removed), or the row itself
+        dist = torch.where(has.unsqueeze(1), residual, p_u)
+        cdf = torch.cumsum(dist, 1)
+        drawn = torch.searchsorted(cdf, (u[:, s, 1] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        bonus = torch.where(stop, drawn.clamp(max=dist.shape[1] - 1), bonus)
+        done = done | stop
+        if s < steps:
+            cur = torch.where(chose, first, cur)
+            lengths = lengths + chose.long()
+            cols.append(torch.where(chose, first, -1))
+    # a walk still going after max_depth steps stops at a leaf: its bonus was drawn at the last step
+    return BatchAcceptance(lengths, torch.stack(cols, 1), bonus)
+
+
+def counted_before(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: node c has an earlier sibling with its token (its mass is already counted)."""
+    n = tokens.shape[1]
+    ids = torch.arange(n, device=tokens.device)
+    same = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (tokens.unsqueeze(2) == tokens.unsqueeze(1))
+    return (same & (ids.view(1, 1, n) < ids.view(1, n, 1))).any(-1)
+
+
+def device_sample(trees: list, out, temperature: float, top_p: float, generator) -> list:
+    """Engine.accept_sampling for DraftTree.made trees (no draw distributions): [(path, bonus)]
+    per tree from sample_accept and one host read of its result."""
+    from .sampling import target_probs
+
     logits = out.run.logits
     dev = logits.device
+    tokens, parents, rows, counts = _padded(trees, out, dev)
+    probs = target_probs(logits, temperature, top_p)[rows]  # [B, N, V] float64
+    acc = sample_accept(tokens, parents, probs, counts, max(t.max_depth for t in trees), generator)
+    return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
+
+
+def _padded(trees: list, out, dev) -> tuple:
+    """The made trees' host lists as [B, N] tensors on dev (one copy each), the run's row of
+    every node (padding: the tree's last node) and the node counts."""
     n = max(t.num_nodes for t in trees)
     pad = lambda xs, fill: xs + [fill] * (n - len(xs))  # noqa: E731
     tokens = torch.tensor([pad(t.host_lists()[0], 0) for t in trees]).to(dev)
     parents = torch.tensor([pad(t.host_lists()[1], -1) for t in trees]).to(dev)
     rows = torch.tensor([[o + min(i, c - 1) for i in range(n)]
-                         for o, c in zip(out.plan.offsets, out.plan.num_nodes)]).to(dev)  # padding: the last node's
-    target = logits.argmax(-1)[rows]  # [B, N]
+                         for o, c in zip(out.plan.offsets, out.plan.num_nodes)]).to(dev)
     counts = torch.tensor([t.num_nodes for t in trees]).to(dev)
-    acc = greedy_accept(tokens, parents, target, counts, max(t.max_depth for t in trees))
-    return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
+    return tokens, parents, rows, counts
