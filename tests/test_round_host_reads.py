@@ -95,3 +95,26 @@ def test_the_counter_sees_each_kind_of_host_read():
     assert reads.total == 7, reads.by_reason
     assert reads.by_reason["Tensor.tolist"] == 1 and reads.by_reason["aten.nonzero"] == 1
     assert all(w == "?" for _, w in reads.where)  # no dsv4_tree frame on this stack
+
+
+def test_the_adaptive_mtp_depth_reads_once_per_decision(trained, monkeypatch):
+    """draft_depth="adaptive": before each further draft step the policy decides on host copies
+    of the pool, the frontier and its children (drafters/mtp.py, one read per decision), so a
+    round reads 2 + min(steps run, num_steps - 1) times, whatever the batch."""
+    spec = dt.SpecConfig(eagle_topk=4, num_steps=5, num_draft_tokens=8, draft_depth="adaptive", max_requests=16)
+    real = gb._round
+    for bs in (1, 16):
+        engine, seen = dt.Engine(trained, spec), []
+
+        def counted(engine, live, drafter, *args):
+            with HostReadCounter(trace=True) as reads:
+                out = real(engine, live, drafter, *args)
+            seen.append((reads, drafter.last_round.steps))
+            return out
+
+        monkeypatch.setattr(gb, "_round", counted)
+        engine.generate_batch([heldout_prompt(64, s) for s in range(bs)], 8, drafter="mtp", progress=False)
+        for reads, steps in seen:
+            where = {w.rsplit(":", 1)[0] for (_, w) in reads.where}
+            assert where <= ALLOWED | {"drafters/mtp.py"}, (bs, dict(reads.where))
+            assert reads.total == 2 + min(steps, spec.num_steps - 1), (bs, steps, dict(reads.where))

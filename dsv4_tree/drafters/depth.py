@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..diagnostics import host_values
+
 TIME_DECAY = 0.8  # weight of the old estimate per new timing sample (recent rounds count most)
 MASS_DECAY = 0.98  # per round, on the calibration sums (slow: acceptance is a noisy 0/1 signal)
 PRIOR_MASS = 1.0  # score mass of the prior: depth d starts at depth d-1's calibration (d=1: 1.0)
@@ -218,7 +220,7 @@ def _host(x) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _depths_of(p: int, topk: int) -> np.ndarray:
     """1-based depths of candidate ids 0..p-1 (candidate_depths, once per pool width)."""
-    out = candidate_depths(torch.arange(p), topk).numpy()
+    out = host_values(candidate_depths(torch.arange(p), topk)).copy()  # host data, not a device read
     out.flags.writeable = False  # shared by every call with this width
     return out
 

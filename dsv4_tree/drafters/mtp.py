@@ -25,6 +25,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..checkpoint.mtp import MtpBlock, load_mtp
@@ -35,7 +36,7 @@ from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .base import TreeShape
-from .depth import DepthPolicy, DraftRound, candidate_depths
+from .depth import DepthPolicy, DraftRound
 from .mtp_cache import DraftCache, fold_back, pending_rows, root_step, store_rows, window_index
 from .mtp_rows import MtpRows, draft_kv_rows, draft_rows, head_logits, layer_rows
 
@@ -67,6 +68,17 @@ def _drop(drafter_ref, request_id: int) -> None:
 
 
 _STOPS = ("max", "exact", "cost")
+
+
+def _host_split(*parts):
+    """Device tensors [B, w_i] as host numpy arrays, through one copy (one host read)."""
+    packed = torch.cat([p.to(torch.float32) for p in parts], 1)
+    host = packed.cpu().numpy() if packed.device.type != "cpu" else packed.numpy()
+    out, at = [], 0
+    for p in parts:
+        out.append(host[:, at : at + p.shape[1]])
+        at += p.shape[1]
+    return out
 
 
 def _agreed_stop(model, stop: str | None) -> str:
@@ -213,11 +225,11 @@ class MtpDrafter:
         fparent = torch.zeros(b, k, dtype=torch.int64, device=dev)  # frontier's parent in record numbering
         rec_parents = [torch.full((b, 1), -1, dtype=torch.int64, device=dev)]
         stop = "max"
-        if policy is not None:  # host copies of the pool, the frontier and its children's probabilities
-            pool, front, child = [fscore.cpu()], fscore.cpu(), fscore.cpu()
+        if policy is not None:  # the pool, the frontier and its children's probabilities (device)
+            pool, front, child = [fscore], fscore, fscore
         for s in range(1, steps):
-            if policy is not None:
-                stop = _agreed_stop(model, policy.more(s, torch.cat(pool, 1), front, child))
+            if policy is not None:  # the step's one host read: all three in one copy
+                stop = _agreed_stop(model, policy.more(s, *_host_split(torch.cat(pool, 1), front, child)))
                 if stop != "max":
                     break
                 policy.step_begin()
@@ -246,8 +258,8 @@ class MtpDrafter:
             src = sel
             fparent = 1 + (s - 1) * k + chosen // k
             if policy is not None:
-                pool.append(flat.cpu())
-                front, child = fscore.cpu(), pc.cpu().view(b, k, k).mean(1)
+                pool.append(flat)
+                front, child = fscore, pc.view(b, k, k).mean(1)
                 policy.step_end(b)
         self.last_round = DraftRound(len(score_list), steps, stop)
         if self.record:
@@ -255,15 +267,18 @@ class MtpDrafter:
                 self._record(requests, steps_rows, step_ids, rec_parents, k)
         pool_size = sum(x[0].numel() for x in score_list)
         org = organize_draft_results(score_list, token_list, parents_list, min(n, pool_size + 1))
-        if policy is not None:
-            flat_scores = torch.cat([x.reshape(b, -1) for x in score_list], 1)
-            policy.drafted(requests, flat_scores.gather(1, org.top_scores_index),
-                           candidate_depths(org.top_scores_index, k))
         # the trees build_tree's tensors describe (tests/test_mtp_incremental.py checks the two
         # agree), straight from the selection: SGLang's masks and links are not needed here
         parents = local_parents(org.parent_list, org.top_scores_index, k, check=False)
         tokens = torch.cat([roots.unsqueeze(1), org.draft_tokens], 1)
-        trees = TreeBatch(tokens, parents).trees()  # the draft's one host read
+        if policy is None:
+            trees = TreeBatch(tokens, parents).trees()  # the draft's one host read
+        else:  # the selected scores ride in the same read; their depths are the trees' own
+            flat_scores = torch.cat([x.reshape(b, -1) for x in score_list], 1)
+            trees, sel = TreeBatch(tokens, parents).trees_and(flat_scores.gather(1, org.top_scores_index).reshape(-1))
+            m = org.top_scores_index.shape[1]
+            policy.drafted(requests, np.array(sel).reshape(b, m),
+                           np.array([t.host_depths[1:] for t in trees], dtype=np.int64).reshape(b, m))
         return DraftExpansion(score_list, token_list, parents_list, trees)
 
     def _record(self, requests, steps_rows, step_ids, rec_parents, k) -> None:
