@@ -146,25 +146,29 @@ class PoolValues:
 
 def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
     """v of every candidate of a MarkovExpansion (drafters/dspark_tree.py): depth by depth, the
-    parent's value (gathered by its pool index) times the child's share."""
+    parent's value (gathered by its pool index) times the child's share. Features and shares are
+    elementwise per parent, so they run once over every depth's parents stacked (a fixed number
+    of ops whatever the depth); only the products walk the depths."""
     b = exp.token_list[0].shape[0]
     dev = exp.token_list[0].device  # on the expansion's device: no host copy
-    probs = [x.detach().to(torch.float64).reshape(b, -1, topk) for x in exp.prob_list]  # [B, F_d, K]
-    confs = [x.detach().to(torch.float64).reshape(b, -1) for x in exp.confidence_list]  # [B, F_d]
-    vals, depths, parents, feats = [], [], [], []
-    for d, (p, c) in enumerate(zip(probs, confs)):
-        f = features(p, c)  # [B, F_d, K, F]: the fitted g's inputs and the accept events'
-        share = model.share(p, c, f)  # [B, F_d, K]
+    probs = torch.cat([x.detach().to(torch.float64).reshape(b, -1, topk) for x in exp.prob_list], 1)  # [B, F, K]
+    confs = torch.cat([x.detach().to(torch.float64).reshape(b, -1) for x in exp.confidence_list], 1)  # [B, F]
+    f = features(probs, confs)  # [B, F, K, FEATURES]: the fitted g's inputs and the accept events'
+    share = model.share(probs, confs, f).reshape(b, -1)  # [B, P]: pool order (parents in order, K children each)
+    vals, depths, parents, at = [], [], [], 0
+    for d in range(len(exp.prob_list)):
+        width = exp.prob_list[d].reshape(b, -1, topk).shape[1] * topk
+        s = share[:, at : at + width]
         if d == 0:
-            par = torch.full((b, topk), -1, dtype=torch.int64, device=dev)
-            v = share.reshape(b, topk)
+            par = torch.full((b, width), -1, dtype=torch.int64, device=dev)
+            v = s
         else:
             # pool ids of depth d's frontier (organize_draft_results' parents_list: the first holds the root)
             front = (exp.parents_list[0][:, 1:] if d == 1 else exp.parents_list[d - 1]).detach().long()
             par = front.unsqueeze(2).expand(b, front.shape[1], topk).reshape(b, -1)
-            v = (torch.cat(vals, 1).gather(1, front).unsqueeze(2) * share).reshape(b, -1)
+            v = (torch.cat(vals, 1).gather(1, front).unsqueeze(2) * s.view(b, -1, topk)).reshape(b, -1)
         vals.append(v)
         parents.append(par)
-        depths.append(torch.full((v.shape[1],), d + 1, dtype=torch.int64, device=dev))
-        feats.append(f.reshape(b, -1, len(FEATURES)))
-    return PoolValues(torch.cat(vals, 1), torch.cat(depths), torch.cat(parents, 1), torch.cat(feats, 1))
+        depths.append(torch.full((width,), d + 1, dtype=torch.int64, device=dev))
+        at += width
+    return PoolValues(torch.cat(vals, 1), torch.cat(depths), torch.cat(parents, 1), f.reshape(b, -1, len(FEATURES)))
