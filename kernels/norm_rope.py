@@ -75,10 +75,14 @@ def _rope_pairs(x, cos_row, sin_row, p, NOPE_PAIRS: tl.constexpr, HALF: tl.const
     rm = (k >= 0) & (k < HALF)
     c = tl.load(cos_row + k, mask=rm, other=1.0).to(tl.float32)
     s = tl.load(sin_row + k, mask=rm, other=0.0).to(tl.float32)
-    if INVERSE:
-        s = -s
-    e2 = round_to(e * c + (-o) * s, OUT_DTYPE)
-    o2 = round_to(o * c + e * s, OUT_DTYPE)
+    # no unary minus: Triton 3.6 lowers -x as 0 - x (+0 for x = +0), torch negates the sign bit;
+    # a - b is a + (-b) exactly in IEEE arithmetic, so these are the reference's sums bit for bit
+    if INVERSE:  # sin -> -sin: (e*c + o*s, o*c - e*s)
+        e2 = round_to(e * c + o * s, OUT_DTYPE)
+        o2 = round_to(o * c - e * s, OUT_DTYPE)
+    else:
+        e2 = round_to(e * c - o * s, OUT_DTYPE)
+        o2 = round_to(o * c + e * s, OUT_DTYPE)
     return tl.join(tl.where(rm, e2, e), tl.where(rm, o2, o))
 
 

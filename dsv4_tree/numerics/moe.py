@@ -117,6 +117,23 @@ def moe_rows(mlp, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     if grouped_applies(experts):
         routed = grouped_experts(experts, flat, indices, weights)
     else:
-        with experts_implementation(experts.config, chosen_experts(experts)):
+        with experts_implementation(experts.config, chosen_experts(experts)), _collectives_dispatch():
             routed = experts(flat, indices, weights)
     return routed.view(x.shape) + mlp.shared_experts(x)
+
+
+def _collectives_dispatch():
+    """On several ranks, transformers' expert parallelism exchanges tokens with torch's
+    `all_to_all_single_autograd`, which torch 2.11 registers under autograd dispatch keys only:
+    inference mode skips those, leaving no CPU kernel (NotImplementedError). Outside inference
+    mode and without grad it dispatches there on every torch; one rank: nothing changes."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    if not (torch.is_inference_mode_enabled() and dist.is_available() and dist.is_initialized()):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
