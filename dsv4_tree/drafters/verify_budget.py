@@ -94,22 +94,29 @@ class NodePick:
     values: torch.Tensor  # [n] float64, their values
 
 
+def _ordered(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float) -> tuple:
+    """Every candidate in pick order: (flat indices [R * P], their values float64, eligible:
+    worth >= eps and among its request's first `cap` in that order). Fixed shapes."""
+    r, p = values.shape
+    order = pick_order(values, depths)
+    flat = values.reshape(-1).to(torch.float64)[order]
+    req = order // p
+    # each candidate's rank within its own request in pick order: a stable sort by request, then
+    # the position within that request's run
+    by_req = torch.argsort(req, stable=True)
+    counts = torch.bincount(req, minlength=r)
+    starts = torch.cumsum(counts, 0) - counts
+    ar = torch.arange(order.numel(), device=values.device)
+    rank = torch.empty_like(order).scatter_(0, by_req, ar - starts[req[by_req]])
+    return order, flat, (flat >= eps) & (rank < cap)
+
+
 def eligible(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float = SURVIVAL_EPS) -> NodePick:
     """values [R, P] candidate values (ancestor-monotone), depths [P], cap: extra nodes a request
     may get (num_draft_tokens - 1) -> the candidates in pick order that a budget may take: worth
     >= eps and among their request's first `cap` in that order (a request at its cap takes no
     more; its later candidates are all descendants or worse, so the pick stays ancestor-closed)."""
-    r, p = values.shape
-    order = pick_order(values, depths)
-    flat = values.reshape(-1).to(torch.float64)[order]
-    req = order // p
-    # each candidate's rank within its own request, in pick order
-    by_req = torch.argsort(req, stable=True)
-    counts = torch.bincount(req, minlength=r)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(order)
-    rank[by_req] = torch.arange(order.numel()) - starts[req[by_req]]
-    keep = (flat >= eps) & (rank < cap)
+    order, flat, keep = _ordered(values, depths, cap, eps)
     return NodePick(order[keep], flat[keep])
 
 
@@ -134,19 +141,9 @@ class FixedPick:
 def eligible_fixed(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float = SURVIVAL_EPS) -> FixedPick:
     """`eligible`'s candidates in its order, kept at the batch's full size: the same tensors on
     any batch, no data-dependent shape (a CUDA graph can hold it)."""
-    r, p = values.shape
-    m = r * p
-    order = pick_order(values, depths)
-    flat = values.reshape(-1).to(torch.float64)[order]
-    req = order // p
-    # each candidate's rank within its own request in pick order: a stable sort by request, then
-    # the position within that request's run
-    by_req = torch.argsort(req, stable=True)
-    counts = torch.bincount(req, minlength=r)
-    starts = torch.cumsum(counts, 0) - counts
+    order, flat, keep = _ordered(values, depths, cap, eps)
+    m = order.numel()
     ar = torch.arange(m, device=values.device)
-    rank = torch.empty_like(order).scatter_(0, by_req, ar - starts[req[by_req]])
-    keep = (flat >= eps) & (rank < cap)
     first = torch.argsort(torch.where(keep, ar, ar + m))  # eligible first, each part in pick order
     kept = keep[first]
     return FixedPick(order[first], torch.where(kept, flat[first], torch.zeros_like(flat)), kept.sum())
