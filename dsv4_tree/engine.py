@@ -21,7 +21,7 @@ from .serving.runtime import ServingRuntime
 from .serving.tables import VerifyPlan
 from .tree import BuiltTree, TreeMaskMode, trees_to_tensors
 from .tree.draft_tree import DraftTree
-from .verify.accept_batch import device_greedy, device_sample
+from .verify.accept_batch import device_drawn, device_greedy, device_sample
 from .verify.accept import Acceptance, greedy_walk
 from .verify.sampling import sample_tree, target_probs
 
@@ -213,8 +213,11 @@ class Engine(EngineChecks):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise InputError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         accs = []
-        if all(t.is_made for t in trees):  # the engine's own fixed trees: sampled on the device, one read
-            for req, (path, bonus) in zip(requests, device_sample(trees, out, temperature, top_p, generator)):
+        made = all(t.is_made for t in trees)
+        drawn = [t.draft_probs is not None for t in trees]
+        if made and (all(drawn) or not any(drawn)):  # the engine's own trees: on the device, one read
+            accept = device_drawn if all(drawn) else device_sample
+            for req, (path, bonus) in zip(requests, accept(trees, out, temperature, top_p, generator)):
                 accs.append(Acceptance(path, bonus, req.request_id, out.verify_id))
         else:
             for b, (req, tree) in enumerate(zip(requests, trees)):

@@ -177,8 +177,9 @@ def test_greedy_trees_near_the_position_limit_and_at_eos(model):
 
 
 def test_sampled_tree_first_tokens_follow_the_target():
-    """Markov trees are fixed before verify draws (top-K, no draws); tree rejection sampling
-    against them must give the target's distribution for the first emitted token."""
+    """A sampling run drafts drawn trees (drafters/dspark_drawn.py: the top tokens chosen, the
+    spine drawn); verify's drawn-tree rejection sampling against their rows must give the
+    target's distribution for the first emitted token."""
     trained = dt.load_model(dt.trained_checkpoint())
     module = random_dspark(trained.config, DSparkSettings(GAMMA, 8, 258, (1, 2, 3)), seed=1)
     eng = dt.Engine(trained, _spec(4, 2, 8, max_requests=64, accept="sampling", draft_depth="fixed"))
@@ -227,7 +228,7 @@ def test_the_registry_cli_and_custom_generate_draft_dspark_trees(capsys):
 
 
 def test_sampled_generation_on_sized_trees_follows_the_target():
-    """generate_batch, sampling, the shipped DSpark's Markov trees sized by the policy, copies of one
+    """generate_batch, sampling, the shipped DSpark's drawn trees sized by the policy, copies of one
     prompt queued for fewer rows: the first generated tokens (verified on the trees: the prompt's
     last token is the root) follow the target's distribution."""
     from dsv4_tree.reference.per_path import per_path_logits

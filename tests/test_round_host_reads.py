@@ -8,7 +8,8 @@ of the round's pool after commit (drafters/value_events.py). Anything else, or a
 with the batch, fails here, naming the op and the line. Three cases: the MTP tree (topk 4, 5
 steps, 8 nodes), the DSpark chain (fixed) and the budgeted DSpark tree (topk 4, 16 nodes, a cost
 table), greedy, fp32, on the shipped checkpoint; the two trees sampled too (acceptance on the
-device, verify/accept_batch.sample_accept). A sampled DSpark chain is drawn on the host (its
+device: verify/accept_batch.sample_accept for the MTP tree, drawn_accept for the drawn DSpark
+tree, whose spine length is set on the device, budget_policy.chain_fixed). A sampled DSpark chain is drawn on the host (its
 draw distributions) and is not held to this."""
 from __future__ import annotations
 

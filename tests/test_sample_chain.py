@@ -1,13 +1,14 @@
-"""Speculative sampling along a sampled chain (verify/sampling.sample_chain): drafts drawn from
+"""Speculative sampling along a sampled chain (verify/sampling.sample_drawn, the one-child case of
+a drawn tree: tests/test_drawn_trees.py has the rest): drafts drawn from
 q, accepted with min(1, p/q), residual max(p - q, 0): every emitted token follows the target.
-And DraftTree.draft_probs: checked, copied, trimmed with the chain."""
+And DraftTree.draft_probs: checked, copied, trimmed with the tree."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.verify.sampling import sample_chain, sample_tree
+from dsv4_tree.verify.sampling import sample_drawn, sample_tree
 from test_sampling import chi2_sf
 
 V, TRIALS = 6, 12000
@@ -36,7 +37,7 @@ def test_first_two_tokens_follow_the_target():
     for _ in range(TRIALS):
         x = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
         tree = dt.DraftTree(torch.tensor([0] + x), torch.tensor([-1, 0, 1]), draft_probs=q)
-        path, bonus = sample_chain(tree, p, g)
+        path, bonus = sample_drawn(tree, p, g)
         emitted = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
         first[emitted[0]] += 1
         if len(path) > 1:  # the first draft was accepted: the second token came from node 1's row
@@ -48,7 +49,7 @@ def test_first_two_tokens_follow_the_target():
 
 
 def test_a_chain_that_misstates_its_draw_distribution_is_detected():
-    """Power check through sample_chain itself: drafts drawn from q but declared as drawn from
+    """Power check through sample_drawn itself: drafts drawn from q but declared as drawn from
     the target p (a drafter whose draft_probs lie) are always accepted, so the first token
     follows q, and the same chi-square rejects it."""
     p, q = _distributions(2)
@@ -57,7 +58,7 @@ def test_a_chain_that_misstates_its_draw_distribution_is_detected():
     for _ in range(TRIALS // 4):
         x = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
         tree = dt.DraftTree(torch.tensor([0] + x), torch.tensor([-1, 0, 1]), draft_probs=p[:2])
-        path, bonus = sample_chain(tree, p, g)
+        path, bonus = sample_drawn(tree, p, g)
         first[int(tree.tokens[1]) if len(path) > 1 else bonus] += 1
     assert _chi2(first, p[0]) < 1e-6
 
@@ -67,7 +68,7 @@ def test_sample_tree_dispatches_on_draft_probs():
     sampled = dt.DraftTree(torch.tensor([0, 5, 5]), torch.tensor([-1, 0, 1]), draft_probs=q)
     fixed = dt.DraftTree(torch.tensor([0, 5, 5]), torch.tensor([-1, 0, 1]))
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert sample_tree(sampled, p, g1) == sample_chain(sampled, p, g2)
+    assert sample_tree(sampled, p, g1) == sample_drawn(sampled, p, g2)
     assert fixed.draft_probs is None
 
 
@@ -80,8 +81,12 @@ def test_draft_probs_are_checked_copied_and_trimmed():
     assert cut.num_nodes == 2 and torch.equal(cut.draft_probs, tree.draft_probs[:1])
     with pytest.raises(dt.TreeError, match="2 rows for 3 non-root nodes"):
         dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 1, 2]), draft_probs=q[:2])
-    with pytest.raises(dt.TreeError, match="for a chain"):
-        dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 2]), draft_probs=q)
+    q = tree.draft_probs
+    branched = dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 2]), draft_probs=q)
+    cut = branched.up_to_depth(1)  # nodes 0, 1, 2: rows 0 and 1
+    assert cut.num_nodes == 3 and torch.equal(cut.draft_probs, branched.draft_probs[:2])
+    skip = dt.DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 1, 0]), draft_probs=q).up_to_depth(1)
+    assert skip.num_nodes == 3 and torch.equal(skip.draft_probs, q[[0, 2]]), "the kept nodes' rows"
     with pytest.raises(dt.TreeError, match="2-D float tensor"):
         dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=torch.ones(1, V, dtype=torch.int64))
     with pytest.raises(dt.TreeError, match="outside draft_probs' 6 columns"):
@@ -94,5 +99,5 @@ def test_draft_probs_are_checked_copied_and_trimmed():
     with pytest.raises(dt.TreeError, match=r"tokens\[1\]=2 has probability 0"):
         dt.DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), draft_probs=zero)
     with pytest.raises(dt.InputError, match="6 columns, the target's distributions 7"):
-        sample_chain(dt.DraftTree(torch.tensor([1, 0]), torch.tensor([-1, 0]), draft_probs=zero), torch.ones(2, 7) / 7)
+        sample_drawn(dt.DraftTree(torch.tensor([1, 0]), torch.tensor([-1, 0]), draft_probs=zero), torch.ones(2, 7) / 7)
 

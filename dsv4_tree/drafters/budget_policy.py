@@ -27,8 +27,8 @@ import torch
 
 from ..ranks import agree_choice
 from .cost_table import MeasuredCosts
-from .verify_budget import (SURVIVAL_EPS, BudgetChoice, budget_fixed, budget_from_sorted, chosen_fixed, eligible_fixed,
-                            survival, verify_lens)
+from .verify_budget import (SURVIVAL_EPS, BudgetChoice, FixedPick, budget_fixed, budget_from_sorted, chosen_fixed,
+                            eligible_fixed, survival, verify_lens, verify_lens_fixed)
 
 LAG = 2  # rounds between a chain's confidences and the budget they set (SGLang's default relay lag)
 
@@ -121,15 +121,40 @@ class BudgetPolicy:
         self.last_budget, self.kind = budget, "chain"
         return verify_lens(conf, budget)
 
+    def chain_fixed(self, model, request_ids: list, confidence: torch.Tensor) -> torch.Tensor:
+        """`chain` at a fixed shape on the confidences' device (a drawn tree's spine: no host read
+        with a cost table or forced nodes): confidence [R, D] -> verify lengths [R] int64 on that
+        device; the budget is read with the draft (`unsettled` / `settle`), as a tree's is."""
+        conf = confidence.detach().to(torch.float32)
+        dev, r = conf.device, conf.shape[0]
+        ones = torch.ones(conf.shape[1], device=dev)
+        lagged = torch.stack([h[0].to(dev) if len(h := self._history.get(rid, ())) == self.lag else ones
+                              for rid in request_ids])
+        window = survival(lagged).reshape(-1).to(torch.float64)
+        keep = window >= SURVIVAL_EPS
+        first = torch.argsort(torch.where(keep, window, torch.full_like(window, float("-inf"))), descending=True,
+                              stable=True)
+        pick = FixedPick(first, torch.where(keep[first], window[first], torch.zeros_like(window)), keep.sum())
+        self.kind = "chain"
+        budget = self._fixed_budget(model, pick, r)
+        for rid, row in zip(request_ids, conf):
+            self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
+        return verify_lens_fixed(conf, budget)
+
     def tree(self, model, values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool.
 
         At a fixed shape on the values' device: with a cost table or forced nodes no host read
         (the budget stays a tensor until `settle` gets its host copy from the draft's one read);
         learning lines online, the eligible count is read (the probes are host decisions)."""
-        r = values.shape[0]
         pick = eligible_fixed(values, depths, self.cap)
-        self.last_choice, self.kind = None, "tree"
+        self.kind = "tree"
+        return chosen_fixed(pick, tuple(values.shape), self._fixed_budget(model, pick, values.shape[0]))
+
+    def _fixed_budget(self, model, pick, r: int) -> torch.Tensor:
+        """`_budget` over a FixedPick of r requests: forced, the table's or the online lines'
+        choice as a 0-dim tensor (rank 0's on every rank), kept unsettled until the draft's read."""
+        self.last_choice = None
         if self.forced_nodes is not None:
             budget = torch.clamp(pick.count, max=max(0, round((self.forced_nodes - 1) * r)))
             choice = None
@@ -140,7 +165,7 @@ class BudgetPolicy:
             budget, choice = self._online_fixed(pick, r)
         budget = agree_choice(model, budget)
         self._unsettled = (budget, choice)
-        return chosen_fixed(pick, tuple(values.shape), budget)
+        return budget
 
     def _online_fixed(self, pick, r: int) -> tuple:
         """`_online` over a FixedPick: the eligible count is read (the probes are host decisions),
@@ -158,14 +183,14 @@ class BudgetPolicy:
 
     def unsettled(self) -> torch.Tensor:
         """[4] float64 (budget, the table's b, seconds, theta; NaN: no table choice) of the last
-        `tree`, read with the trees (the draft's one read)."""
+        `tree` or `chain_fixed`, read with the trees (the draft's one read)."""
         budget, choice = self._unsettled
         nan = torch.full((), float("nan"), dtype=torch.float64, device=budget.device)
         parts = [budget] + (list(choice) if choice is not None else [nan] * 3)
         return torch.stack([nan if x is None else x.to(budget.device, torch.float64) for x in parts])
 
     def settle(self, host: list) -> None:
-        """The last `tree`'s unsettled() values, read on the host."""
+        """The last `tree`'s (or `chain_fixed`'s) unsettled() values, read on the host."""
         budget, b, seconds, theta = host
         self.last_budget = int(budget)
         self.last_choice = None if b != b else BudgetChoice(int(b), seconds, theta)  # NaN: forced or probing

@@ -10,9 +10,10 @@ tokens were drawn from (`DraftTree.draft_probs`) so verify's rejection sampling 
 
 eagle_topk = K > 1 drafts a Markov tree from the same backbone pass (drafters/dspark_tree.py):
 num_steps <= gamma, each frontier node's top-K children from its own Markov-biased
-distribution, the best num_draft_tokens - 1 candidates by path probability. Tree drafts are
-deterministic (top-K, no draws), greedy or sampled: verify's tree rejection sampling is exact
-for any tree fixed before its draws.
+distribution, the best num_draft_tokens - 1 candidates by path probability: top-K, never drawn,
+so verify's tree rejection sampling is exact for it. A sampling run drafts a drawn tree instead
+(drafters/dspark_drawn.py): the chain's drawn spine with each spine node's best K - 1 tokens
+beside it, every node carrying the distribution it was drawn (or chosen) from.
 
 size="adaptive" (or size=None under SpecConfig.draft_depth "adaptive": the default for trees,
 asked for explicitly on a chain) verifies what one budget for the whole batch buys
@@ -43,13 +44,16 @@ from ..verify.sampling import target_probs
 from .base import TreeShape
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
-from .dspark_budget import adaptive_chains, budget_trees
+from .dspark_budget import adaptive_chains, batch_of, budget_trees
 from .dspark_cache import DSparkContext, bring_up
+from .dspark_drawn import draw_tree, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
+from .verify_budget import marginal_value
 from .mtp import depth_for
 from .node_values import as_value_model
+from .sibling_rate import SiblingRate
 from .value_events import ValueLearner
 
 
@@ -154,6 +158,7 @@ class DSparkDrafter:
         if size == "adaptive":
             self.policy = self._new_policy()
         self.values = ValueLearner(as_value_model(values), learn=False) if values is not None else ValueLearner()
+        self.sibling_rate = SiblingRate(max(0, shape.topk - 1))  # a drawn tree's siblings (sampling runs)
         self._measuring = False  # the last draft chose its size: end_round reports to the policy
         self.contexts: dict = {}  # request_id -> DSparkContext
         self.records: dict = {}  # request_id -> DSparkRecord / DSparkTreeRecord (record=True)
@@ -202,6 +207,7 @@ class DSparkDrafter:
             self.policy.end_round(requests, cut)
             if self.shape.topk > 1:
                 self.values.end_round(requests)
+                self.sibling_rate.end_round(requests)
 
     def _contexts(self, requests) -> list:
         for req in requests:
@@ -298,8 +304,11 @@ class DSparkDrafter:
         return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(probs, 1) if probs else None
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
-        """The Markov tree of every request (module docstring): fixed size, or the batch budget's."""
+        """The Markov tree of every request (module docstring): fixed size, or the batch budget's;
+        a sampling run's tree is drawn (_drawn_tree)."""
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
+        if self.sampling is not None:
+            return self._drawn_tree(requests, blk, anchors, size)
         exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
                             temperatures=self.temperatures)
         if size == "adaptive":
@@ -313,6 +322,43 @@ class DSparkDrafter:
         if self.record:
             with torch.inference_mode(False):
                 self._record_tree(requests, trees, blk, exp, chosen, k)
+        return trees
+
+    def _drawn_tree(self, requests, blk, anchors, size: str) -> list:
+        """Sampling: every request's drawn tree (drafters/dspark_drawn.py), all of it or, adaptive,
+        the spine the chain's budget rule gives with the siblings worth at least that budget's
+        last spine node; decided on the device, one host read (the budget rides in it)."""
+        if self.branching != "markov":
+            raise ConfigError(f"branching={self.branching!r} is a greedy measurement baseline; a sampling run drafts "
+                              "drawn trees from the Markov head (branching='markov')")
+        drawn = draw_tree(self.module, blk, anchors, self.shape.topk, self.shape.num_steps,
+                          self.shape.num_draft_tokens, self.sampling)
+        b, dev = anchors.shape[0], anchors.device
+        conf = spine_confidences(self.module, blk, drawn, self.temperatures) if size == "adaptive" or self.record else None
+        if size == "adaptive":  # the spine's length by the chain's rule, siblings worth its price: on the device
+            lens = self.policy.chain_fixed(self.model, [r.request_id for r in requests], conf)
+            price = marginal_value(conf, self.policy.unsettled()[0])
+            depth = torch.tensor([d for d, s in enumerate(drawn.counts) for _ in range(s + 1)], device=dev)
+            spine = torch.tensor([i == 0 for s in drawn.counts for i in range(s + 1)], device=dev)
+            values = node_values(drawn, conf, self.sibling_rate.rates(dev))
+            keep = (depth.unsqueeze(0) < (lens - 1).unsqueeze(1)) & (spine | (values >= price))
+            pool_par = torch.tensor(pool_parents(drawn), device=dev).expand(b, -1)
+            batch, sel = batch_of(anchors, drawn.tokens[:, 1:], pool_par, keep, keep.shape[1])
+            rows = drawn.draw_probs.gather(1, sel.unsqueeze(2).expand(-1, -1, drawn.draw_probs.shape[2]))
+            trees, extra = batch.trees_and(self.policy.unsettled(), rows)
+            self.policy.settle(extra)
+            self.policy.drafted(requests, sum(t.num_nodes for t in trees))
+            self.sibling_rate.drafted(requests, trees)
+        else:
+            parents = torch.tensor(drawn.parents, device=dev).expand(b, -1)
+            trees = TreeBatch(drawn.tokens, parents).trees(drawn.draw_probs)
+        if self.record:
+            with torch.inference_mode(False):
+                for i, (req, tree) in enumerate(zip(requests, trees)):
+                    d = torch.tensor(tree.host_depths[1:], dtype=torch.int64) - 1  # each node's parent depth
+                    self.records[req.request_id] = DSparkTreeRecord(
+                        tree, blk.base[i].cpu().clone(), blk.hidden[i].cpu().clone(),
+                        drawn.logits[i].cpu()[d], conf[i].cpu()[d])
         return trees
 
     def _record_tree(self, requests, trees, blk, exp: MarkovExpansion, chosen: list, k: int) -> None:

@@ -74,16 +74,45 @@ def verify_lens(confidence: torch.Tensor, budget: int, min_len: int = 1, max_len
     """SGLang's chain shape: the `budget` best of this step's survival over the whole batch.
     confidence [R, gamma] -> verify length per request (root included) [R] int64, in
     [max(min_len, 1), max_len] (default gamma + 1)."""
-    r, gamma = confidence.shape
-    top = max_len or gamma + 1
-    window = survival(confidence)[:, :top].to(torch.float64)
-    cols = window.shape[1]
-    valid = window >= eps
-    masked = torch.where(valid, window, torch.full_like(window, float("-inf")))
-    order = pick_order(masked, torch.arange(cols))[: min(int(budget), r * cols)]
+    r = confidence.shape[0]
+    top, cols, valid, order = _lens_order(confidence, max_len, eps)
+    order = order[: min(int(budget), r * cols)]
     chosen = valid.reshape(-1)[order].to(torch.int64)  # an invalid candidate takes a slot, adds nothing
     extra = torch.zeros(r, dtype=torch.int64).index_add_(0, order // cols, chosen)
     return (min_len + extra).clamp(min=max(min_len, 1), max=top)
+
+
+def _lens_order(confidence: torch.Tensor, max_len: int | None, eps: float) -> tuple:
+    """(top, columns, valid [R, cols], every candidate in pick order): what both verify-length
+    forms take the first `budget` of."""
+    top = max_len or confidence.shape[1] + 1
+    window = survival(confidence)[:, :top].to(torch.float64)
+    valid = window >= eps
+    masked = torch.where(valid, window, torch.full_like(window, float("-inf")))
+    return top, window.shape[1], valid, pick_order(masked, torch.arange(window.shape[1], device=window.device))
+
+
+def verify_lens_fixed(confidence: torch.Tensor, budget, min_len: int = 1, max_len: int | None = None,
+                      eps: float = SURVIVAL_EPS) -> torch.Tensor:
+    """`verify_lens` at a fixed shape on the confidences' device: budget an int or a 0-dim
+    tensor (not read), the same lengths [R] int64."""
+    r, dev = confidence.shape[0], confidence.device
+    top, cols, valid, order = _lens_order(confidence, max_len, eps)
+    take = torch.arange(order.numel(), device=dev) < budget
+    chosen = (valid.reshape(-1)[order] & take).to(torch.int64)  # an invalid candidate takes a slot, adds nothing
+    extra = torch.zeros(r, dtype=torch.int64, device=dev).index_add_(0, order // cols, chosen)
+    return (min_len + extra).clamp(min=max(min_len, 1), max=top)
+
+
+def marginal_value(confidence: torch.Tensor, budget, eps: float = SURVIVAL_EPS) -> torch.Tensor:
+    """The survival of the last candidate `verify_lens_fixed(confidence, budget)` takes: the
+    price per node that budget paid (0-dim float64 on the confidences' device; +inf for a budget
+    of 0, eps at least)."""
+    window = survival(confidence).reshape(-1).to(torch.float64)
+    ranked = torch.sort(torch.where(window >= eps, window, torch.zeros_like(window)), descending=True).values
+    b = torch.as_tensor(budget, device=window.device).to(torch.int64)
+    last = ranked.index_select(0, (b - 1).clamp(min=0, max=window.numel() - 1).reshape(1))[0]
+    return torch.where(b > 0, last.clamp(min=eps), torch.full_like(last, float("inf")))
 
 
 @dataclass(frozen=True)

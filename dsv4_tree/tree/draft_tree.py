@@ -40,8 +40,10 @@ class DraftTree:
 
     tokens:  [N] int64
     parents: [N] int64, parents[0] == -1
-    draft_probs: None, or [N - 1, V] for a chain whose tokens were drawn at random: row i is the
-    distribution node i + 1's token was drawn from (verify's rejection sampling uses it).
+    draft_probs: None, or [N - 1, V] for a tree whose tokens were drawn at random: row i is the
+    distribution node i + 1's token was drawn from, given the tree's nodes before it (a node
+    chosen, not drawn, has a one-hot row). Verify's rejection sampling tries each node's children
+    in id order against these rows (verify/sampling.py); a sampled chain is the one-child case.
     Derived on first use (cached): depth [N], path [N, max_depth+1] (ancestor of node i at each
     depth, -1 past its depth), ancestors [N, N] bool, leaves [L]. Construction only validates
     (O(N)); nothing quadratic is built unless asked for, so a prefill chunk's chain is linear.
@@ -49,7 +51,7 @@ class DraftTree:
 
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64
-    draft_probs: torch.Tensor | None = None  # [N - 1, V] float, a sampled chain's draw distributions
+    draft_probs: torch.Tensor | None = None  # [N - 1, V] float, a drawn tree's draw distributions
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -86,16 +88,17 @@ class DraftTree:
             object.__setattr__(self, "draft_probs", _checked_probs(self.draft_probs, tokens, parents))
 
     @classmethod
-    def made(cls, tokens: list, parents: list) -> "DraftTree":
+    def made(cls, tokens: list, parents: list, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A tree the engine's own drafting built, from host lists (a row of the draft's one
         host read, tree/tree_batch.py): not re-checked (a drafter makes parents before children,
         token ids from the vocabulary), and it keeps the lists, so reading its structure on the
-        host (acceptance, commit, the engine's limits) costs no further read."""
+        host (acceptance, commit, the engine's limits) costs no further read. draft_probs: a drawn
+        tree's rows [N - 1, V], kept where the drafter made them (on its device)."""
         tree = object.__new__(cls)
         with torch.inference_mode(False):  # trees are the caller's: ordinary tensors
             object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.int64))
             object.__setattr__(tree, "parents", torch.tensor(parents, dtype=torch.int64))
-        object.__setattr__(tree, "draft_probs", None)
+        object.__setattr__(tree, "draft_probs", draft_probs)
         tree.__dict__["_lists"] = (list(tokens), list(parents))
         tree.__dict__["_made"] = True
         return tree
@@ -198,22 +201,32 @@ class DraftTree:
             tokens, parents = self.host_lists()
             keep = [i for i, d in enumerate(self.host_depths) if d <= max(0, max_depth)]
             new_id = {old: new for new, old in enumerate(keep)}
-            return DraftTree.made([tokens[i] for i in keep], [-1] + [new_id[parents[i]] for i in keep[1:]])
+            return DraftTree.made([tokens[i] for i in keep], [-1] + [new_id[parents[i]] for i in keep[1:]],
+                                  self._probs_of(keep))
         keep = self.depth <= max(0, max_depth)
-        if self.draft_probs is not None:  # a chain: its first nodes
-            return self.first_nodes(int(keep.sum()))
         new_id = torch.cumsum(keep, 0) - 1  # parents come before children, so kept ids stay ordered
         parents = self.parents[keep]
-        return DraftTree(self.tokens[keep], torch.where(parents >= 0, new_id[parents.clamp(min=0)], parents))
+        return DraftTree(self.tokens[keep], torch.where(parents >= 0, new_id[parents.clamp(min=0)], parents),
+                         None if self.draft_probs is None else self._probs_of(keep.nonzero().flatten().tolist()))
+
+    def _probs_of(self, keep: list):
+        """A drawn tree's rows of the kept nodes (keep: ascending node ids, the root first)."""
+        if self.draft_probs is None:
+            return None
+        rows = [i - 1 for i in keep[1:]]
+        if rows == list(range(len(rows))):  # a prefix: a view
+            return self.draft_probs[: len(rows)]
+        return self.draft_probs[torch.tensor(rows, device=self.draft_probs.device)]
 
     def first_nodes(self, n: int) -> "DraftTree":
         """Nodes 0 .. n-1 (parents come before children, so they form a tree), with their draw
-        distributions for a sampled chain (this tree when it has at most n nodes)."""
+        distributions for a drawn tree (this tree when it has at most n nodes)."""
         if n >= self.num_nodes:
             return self
         if self.is_made:
             tokens, parents = self.host_lists()
-            return DraftTree.made(tokens[:n], parents[:n])
+            probs = None if self.draft_probs is None else self.draft_probs[: n - 1]
+            return DraftTree.made(tokens[:n], parents[:n], probs)
         probs = None if self.draft_probs is None else self.draft_probs[: n - 1]
         return DraftTree(self.tokens[:n], self.parents[:n], probs)
 
@@ -230,16 +243,13 @@ class DraftTree:
 
 
 def _checked_probs(probs, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """A sampled chain's draw distributions, checked against its nodes, as a CPU copy."""
+    """A drawn tree's draw distributions, checked against its nodes, as a CPU copy."""
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.dim() != 2:
         got = type(probs).__name__ if not isinstance(probs, torch.Tensor) else f"{probs.dtype} {tuple(probs.shape)}"
         raise TreeError(f"DraftTree.draft_probs must be a 2-D float tensor [N - 1, vocab], got {got}")
     n = tokens.numel()
     if probs.shape[0] != n - 1:
         raise TreeError(f"DraftTree.draft_probs has {probs.shape[0]} rows for {n - 1} non-root nodes")
-    if not bool((parents == torch.arange(n) - 1).all()):
-        raise TreeError("DraftTree.draft_probs is for a chain (parents[i] == i - 1); rejection sampling against "
-                        "draw distributions is defined here for chains only")
     if n > 1 and int(tokens[1:].max()) >= probs.shape[1]:
         raise TreeError(f"DraftTree.tokens hold id {int(tokens[1:].max())} outside draft_probs' {probs.shape[1]} columns")
     probs = probs.detach().to("cpu", copy=True)

@@ -50,16 +50,17 @@ class TreeBatch:
         first, sib = links_from_parents(self.parents)
         return torch.arange(b * n, device=self.tokens.device).view(b, n), first, sib
 
-    def trees(self) -> list:
-        """One DraftTree per row, from one host read of the whole batch."""
-        return self._read(None)[0]
+    def trees(self, draft_probs: torch.Tensor | None = None) -> list:
+        """One DraftTree per row, from one host read of the whole batch; draft_probs [B, N - 1, V]:
+        a drawn batch's draw distributions, each tree given its rows (views, not read)."""
+        return self._read(None, draft_probs)[0]
 
-    def trees_and(self, extra: torch.Tensor) -> tuple:
+    def trees_and(self, extra: torch.Tensor, draft_probs: torch.Tensor | None = None) -> tuple:
         """(trees, extra's values as Python floats): `extra` [k] float64 (what the drafter decided
         on the device beside the trees, e.g. its budget) rides in the same read, bit for bit."""
-        return self._read(extra)
+        return self._read(extra, draft_probs)
 
-    def _read(self, extra) -> tuple:
+    def _read(self, extra, draft_probs=None) -> tuple:
         b, n = self.tokens.shape
         cols = [self.tokens, self.parents]
         if self.counts is not None:
@@ -73,7 +74,7 @@ class TreeBatch:
         for i in range(b):
             row = flat[i * width : (i + 1) * width]
             c = row[2 * n] if self.counts is not None else n
-            out.append(DraftTree.made(row[:c], row[n : n + c]))
+            out.append(DraftTree.made(row[:c], row[n : n + c], None if draft_probs is None else draft_probs[i, : c - 1]))
         tail = [] if extra is None else list(struct.unpack(f"<{len(flat) - b * width}d",
                                                              struct.pack(f"<{len(flat) - b * width}q", *flat[b * width :])))
         return out, tail

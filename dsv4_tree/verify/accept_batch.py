@@ -12,9 +12,11 @@ any draw, for every request at once: at the current node one uniform r against t
 of the target's probabilities of its children in sibling order (an equal-token sibling adds
 nothing), and past the sum the bonus from the remainder. Lossless like the host walk
 (chi-square tests in tests/test_accept_batch.py); its uniforms are drawn all at once, so its
-draws differ from the host walk's for one seed."""
+draws differ from the host walk's for one seed. Drawn trees (`drawn_accept`), whose nodes carry
+the distributions they were drawn from, follow verify/sampling.sample_drawn the same way."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -80,21 +82,11 @@ def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tens
     (float64, verify/sampling.target_probs), counts [B] (None: N), max_depth (None: N - 1).
     Uniforms come from `generator` on its own device (CPU by default) in one draw of
     [B, max_depth + 1, 2] and are moved to the trees' device: no host read."""
-    b, n = tokens.shape
-    dev = tokens.device
-    ids = torch.arange(n, device=dev)
-    valid = ids.unsqueeze(0) >= 1
-    if counts is not None:
-        valid = valid & (ids.unsqueeze(0) < counts.unsqueeze(1))
+    (b, n), dev = tokens.shape, tokens.device
+    ids, valid = _nodes(tokens, counts)
     dup = counted_before(tokens, parents)
     steps = n - 1 if max_depth is None else min(max_depth, n - 1)
-    gen_dev = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(b, steps + 1, 2, generator=generator, dtype=torch.float64, device=gen_dev).to(dev)
-    rows = torch.arange(b, device=dev)
-    cur = torch.zeros(b, dtype=torch.int64, device=dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    lengths = torch.zeros(b, dtype=torch.int64, device=dev)
-    bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+    u, rows, cur, done, lengths, bonus = _walk_start(b, steps, 2, generator, dev)
     cols = [cur]
     for s in range(steps + 1):
         p_u = probs[rows, cur]  # [B, V]
@@ -126,6 +118,23 @@ def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tens
     return BatchAcceptance(lengths, torch.stack(cols, 1), bonus)
 
 
+def _nodes(tokens: torch.Tensor, counts) -> tuple:
+    """(node ids [N], valid [B, N]: a non-root node within its row's count)."""
+    ids = torch.arange(tokens.shape[1], device=tokens.device)
+    valid = ids.unsqueeze(0) >= 1
+    return ids, valid if counts is None else valid & (ids.unsqueeze(0) < counts.unsqueeze(1))
+
+
+def _walk_start(b: int, steps: int, width: int, generator, dev) -> tuple:
+    """A sampled walk's start: uniforms [B, steps + 1, width] drawn at once from `generator` on its
+    own device (CPU by default) and moved to dev; row ids; the current node, done, lengths and
+    bonus per row."""
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(b, steps + 1, width, generator=generator, dtype=torch.float64, device=gen_dev).to(dev)
+    zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+    return u, torch.arange(b, device=dev), zeros, zeros.bool(), zeros.clone(), zeros.clone()
+
+
 def counted_before(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """[B, N] bool: node c has an earlier sibling with its token (its mass is already counted)."""
     n = tokens.shape[1]
@@ -144,6 +153,76 @@ def device_sample(trees: list, out, temperature: float, top_p: float, generator)
     tokens, parents, rows, counts = _padded(trees, out, dev)
     probs = target_probs(logits, temperature, top_p)[rows]  # [B, N, V] float64
     acc = sample_accept(tokens, parents, probs, counts, max(t.max_depth for t in trees), generator)
+    return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
+
+
+def drawn_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, q: torch.Tensor,
+                 counts: torch.Tensor | None = None, max_depth: int | None = None, slots: int | None = None,
+                 generator: torch.Generator | None = None) -> BatchAcceptance:
+    """verify/sampling.sample_drawn for a batch of drawn trees: tokens / parents [B, N] (padding:
+    parent -1), probs [B, N, V] the target's distributions (float64), q [B, N, V] node i's draw
+    distribution at row i (row 0 unused; a chosen node's row one-hot), counts [B] (None: N),
+    max_depth (None: N - 1), slots: the most children a node has (None: N - 1), the inner loop's
+    fixed length. Uniforms: one draw of [B, max_depth + 1, slots + 1] from `generator` on its
+    device, moved to the trees' device: no host read."""
+    (b, n), dev = tokens.shape, tokens.device
+    ids, valid = _nodes(tokens, counts)
+    steps = n - 1 if max_depth is None else min(max_depth, n - 1)
+    slots = n - 1 if slots is None else max(1, min(slots, n - 1))
+    # kth[b, u, j]: u's j-th child in id order (n: none); a node's rank = earlier siblings
+    child_of = (parents.unsqueeze(1) == ids.view(1, n, 1)) & valid.unsqueeze(1)  # [B, u, i]
+    rank = (torch.cumsum(child_of.long(), 2) - 1).gather(1, parents.clamp(min=0).unsqueeze(1)).squeeze(1)  # [B, i]
+    keep = valid & (rank < slots)
+    flat = torch.where(keep, parents.clamp(min=0) * slots + rank.clamp(min=0), n * slots)  # n * slots: discarded
+    kth = torch.full((b, n * slots + 1), n, dtype=torch.int64, device=dev)
+    kth.scatter_(1, flat, torch.where(keep, ids.expand(b, n), n))
+    kth = kth[:, : n * slots].view(b, n, slots)
+    u, rows, cur, done, lengths, bonus = _walk_start(b, steps, slots + 1, generator, dev)
+    cols = [cur]
+    for s in range(steps + 1):
+        residual = probs[rows, cur]  # [B, V]
+        chosen = torch.full((b,), n, dtype=torch.int64, device=dev)
+        for j in range(slots):
+            c = kth[rows, cur, j]
+            live = (c < n) & (chosen == n) & ~done
+            cc = c.clamp(max=n - 1)
+            t = tokens[rows, cc].unsqueeze(1)
+            qc = q[rows, cc]  # [B, V]
+            accept = live & (u[:, s, j] * qc.gather(1, t).squeeze(1) < residual.gather(1, t).squeeze(1))
+            chosen = torch.where(accept, c, chosen)
+            rest = (residual - qc).clamp(min=0)
+            mass = rest.sum(1, keepdim=True)
+            # a rejection replaces the residual; mass 0 (residual == q up to rounding) had probability 0
+            swap = (live & ~accept).unsqueeze(1) & (mass > 0)
+            residual = torch.where(swap, rest / mass.clamp(min=torch.finfo(rest.dtype).tiny), residual)
+        stop = ~done & (chosen == n)
+        cdf = torch.cumsum(residual, 1)
+        drawn = torch.searchsorted(cdf, (u[:, s, slots] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        bonus = torch.where(stop, drawn.clamp(max=residual.shape[1] - 1), bonus)
+        done = done | stop
+        if s < steps:
+            go = chosen < n
+            cur = torch.where(go, chosen, cur)
+            lengths = lengths + go.long()
+            cols.append(torch.where(go, chosen, -1))
+    return BatchAcceptance(lengths, torch.stack(cols, 1), bonus)
+
+
+def device_drawn(trees: list, out, temperature: float, top_p: float, generator) -> list:
+    """Engine.accept_sampling for made drawn trees (draft_probs on the drafter's device):
+    [(path, bonus)] per tree from drawn_accept and one host read of its result."""
+    from .sampling import target_probs
+
+    logits = out.run.logits
+    dev = logits.device
+    tokens, parents, rows, counts = _padded(trees, out, dev)
+    probs = target_probs(logits, temperature, top_p)[rows]  # [B, N, V] float64
+    n, vocab = tokens.shape[1], probs.shape[-1]
+    q = torch.zeros(len(trees), n, vocab, dtype=torch.float64, device=dev)
+    for b, t in enumerate(trees):
+        q[b, 1 : t.num_nodes] = t.draft_probs.to(dev, torch.float64)
+    slots = max(max(collections.Counter(t.host_lists()[1][1:]).values(), default=1) for t in trees)
+    acc = drawn_accept(tokens, parents, probs, q, counts, max(t.max_depth for t in trees), slots, generator)
     return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
 
 

@@ -1,10 +1,12 @@
 """Lossless stochastic acceptance: multi-candidate recursive rejection sampling on a tree.
 
-At each accepted node u one uniform r is drawn and compared with the running sum of the
+A tree fixed before any draw (`sample_path`): at each accepted node u one uniform r is drawn and compared with the running sum of the
 target's probabilities of u's children in sibling order; a child whose token was already
 counted (an equal-token sibling) adds nothing. If r falls past the sum, every child's token
 is removed from the target and the bonus is drawn from the renormalised remainder. Each
-emitted token is therefore distributed exactly as the target's next-token distribution."""
+emitted token is therefore distributed exactly as the target's next-token distribution.
+A drawn tree (or chain) carries the distributions its nodes were drawn from and is accepted
+against them (`sample_drawn`); `sample_tree` picks the rule a tree asks for."""
 from __future__ import annotations
 
 import math
@@ -63,37 +65,49 @@ def sample_path(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
         u = chosen
 
 
-def sample_chain(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None):
-    """Speculative sampling along a chain whose tokens were drawn from tree.draft_probs: draft
-    i (node i, drawn from q_i = draft_probs[i - 1]) is accepted with probability
-    min(1, p_i(x_i) / q_i(x_i)); at the first rejection the bonus is drawn from
-    max(p_i - q_i, 0) renormalised; after the last draft, from the target's last row. probs
-    [N, V]: the target's distributions at the chain's nodes. -> (path, bonus). Each emitted
-    token is distributed exactly as the target's next-token distribution."""
+def sample_drawn(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None):
+    """Speculative sampling of a tree whose nodes carry the distributions they were drawn from
+    (tree.draft_probs; a node chosen, not drawn, has a one-hot row). At an accepted node u the
+    residual starts as the target's p_u; u's children are tried in id order, child c (token x,
+    drawn from q_c = draft_probs[c - 1]) accepted with probability min(1, residual(x) / q_c(x)),
+    and each rejection replaces the residual by max(residual - q_c, 0) renormalised. Past the
+    last child the bonus is drawn from the residual (the target's row at a leaf). Each emitted
+    token is distributed exactly as the target's next-token distribution when every child was
+    drawn from its row given the nodes before it (multi-draft recursive rejection sampling; a
+    chain is the one-child case: min(1, p / q), then max(p - q, 0)). probs [N, V]: the target's
+    distributions at the tree's nodes. -> (path, bonus)."""
     q_all = tree.draft_probs.to(torch.float64)
     if q_all.shape[1] != probs.shape[1]:
-        raise InputError(f"the chain's draft_probs have {q_all.shape[1]} columns, the target's distributions "
+        raise InputError(f"the tree's draft_probs have {q_all.shape[1]} columns, the target's distributions "
                          f"{probs.shape[1]}: draws must be over the target's vocabulary")
-    path = [0]
+    tokens, parents = tree.host_lists()
+    children = [[] for _ in range(tree.num_nodes)]
     for i in range(1, tree.num_nodes):
-        p, q = probs[i - 1].to(torch.float64), q_all[i - 1]
-        t = int(tree.tokens[i])
-        r = float(torch.rand(1, generator=generator, dtype=torch.float64))
-        if r * float(q[t]) < float(p[t]):
-            path.append(i)
-            continue
-        residual = (p - q).clamp(min=0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the rejection had probability 0
-            residual = p
-        return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    last = probs[tree.num_nodes - 1].to(torch.float64)
-    return path, int(torch.multinomial(last / last.sum(), 1, generator=generator))
+        children[parents[i]].append(i)
+    path, u = [0], 0
+    while True:
+        residual = probs[u].to(torch.float64)
+        chosen = None
+        for c in children[u]:
+            q, t = q_all[c - 1].to(residual.device), tokens[c]
+            r = float(torch.rand(1, generator=generator, dtype=torch.float64))
+            if r * float(q[t]) < float(residual[t]):
+                chosen = c
+                break
+            rest = (residual - q).clamp(min=0)
+            mass = float(rest.sum())
+            if mass > 0.0:  # else residual == q up to rounding: the rejection had probability 0
+                residual = rest / mass
+        if chosen is None:
+            return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+        path.append(chosen)
+        u = chosen
 
 
 def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None):
     """The lossless acceptance a drafted tree asks for: speculative sampling against the draw
-    distributions of a sampled chain (tree.draft_probs), else recursive rejection sampling of a
-    tree fixed before any draw. -> (path, bonus)."""
+    distributions of a drawn tree or chain (tree.draft_probs), else recursive rejection sampling
+    of a tree fixed before any draw. -> (path, bonus)."""
     if tree.draft_probs is not None:
-        return sample_chain(tree, probs, generator)
+        return sample_drawn(tree, probs, generator)
     return sample_path(tree, probs, generator)
