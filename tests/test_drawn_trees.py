@@ -327,7 +327,7 @@ def test_siblings_may_follow_later_draws_a_spine_node_may_not_follow_its_own():
     subtree (x2, drawn after them in id order) leave the first token distributed as the target;
     a spine token kept only when it falls in a set biases it (the chi-square tells it apart)."""
     p, q = _distributions(14)
-    trials = 6000
+    trials = 3000
     later = _first_tokens(p, q, trials, 15, keep_siblings=lambda x1, x2: x2 % 2 == 0, keep_spine=lambda x1: True)
     assert _chi2(later, p[0]) > 1e-3, later
     favoured = int(q[0].argmax())
