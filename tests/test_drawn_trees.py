@@ -333,3 +333,34 @@ def test_siblings_may_follow_later_draws_a_spine_node_may_not_follow_its_own():
     favoured = int(q[0].argmax())
     biased = _first_tokens(p, q, trials, 15, keep_siblings=lambda x1, x2: True, keep_spine=lambda x1: x1 == favoured)
     assert _chi2(biased, p[0]) < 1e-6, biased
+
+
+def test_drawn_rounds_stay_on_the_device():
+    """The meta proxy (tests/test_device.py): drawing a level, the spine's lengths and price,
+    sibling values and the batched acceptance run on device tensors without a host read or a
+    host tensor mixed in (the generator's uniforms are drawn on the host and copied over)."""
+    from dsv4_tree.drafters.budget_policy import BudgetPolicy
+    from dsv4_tree.drafters.cost_table import LineTable
+    from dsv4_tree.drafters.dspark_drawn import DrawnTree, _draw, _others, node_values
+    from dsv4_tree.drafters.verify_budget import marginal_value
+    from test_device import NoHostTensorsInDeviceOps
+
+    b, n, m = 3, 6, "meta"
+    q = torch.empty(b, V, dtype=torch.float64, device=m)
+    conf = torch.empty(b, 2, device=m)
+    table = LineTable((1, 4), (0.01, 0.012), (0.0004, 0.0003), note="test")
+    policy = BudgetPolicy(5, table)
+    with NoHostTensorsInDeviceOps():
+        x = _draw(q, torch.Generator().manual_seed(0))
+        sib = _others(q, x, 2)
+        lens = policy.chain_fixed(ALONE, [0, 1, 2], conf)
+        price = marginal_value(conf, policy.unsettled()[0])
+        drawn = DrawnTree(torch.empty(b, n, dtype=torch.int64, device=m), drawn_parents([2, 1]), [2, 1],
+                          torch.empty(b, n - 1, V, dtype=torch.float64, device=m), torch.empty(b, 3, dtype=torch.int64, device=m),
+                          torch.empty(b, 2, V, device=m))
+        values = node_values(drawn, conf, torch.tensor([0.3, 0.2], dtype=torch.float64).to(m))
+        acc = drawn_accept(drawn.tokens, torch.tensor(PARENTS).to(m).expand(b, -1),
+                           torch.empty(b, n, V, dtype=torch.float64, device=m),
+                           torch.empty(b, n, V, dtype=torch.float64, device=m), torch.full((b,), n).to(m), 2, 3,
+                           torch.Generator().manual_seed(1))
+    assert all(t.device.type == m for t in (x, sib, lens, price, values, acc.lengths, acc.path, acc.bonus))
