@@ -11,7 +11,7 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark
-from dsv4_tree.drafters import dspark as dspark_mod
+from dsv4_tree.drafters import dspark_drawn as drawn_mod
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.budget_policy import BudgetPolicy
 from dsv4_tree.drafters.cost_profile import profile_costs
@@ -150,6 +150,11 @@ class _NoLag(BudgetPolicy):
         self.last_budget = self._budget(model, values, len(request_ids))
         return verify_lens(confidence, self.last_budget)
 
+    def chain_fixed(self, model, request_ids, confidence):  # what a sampling run's drawn chain asks
+        lens = self.chain(model, request_ids, confidence)
+        self._unsettled = (torch.tensor(self.last_budget), None)
+        return lens
+
 
 def test_the_lag_keeps_sampled_adaptive_chains_lossless(monkeypatch):
     """One request, the same state each sample (verify does not commit). The confidences say drafts
@@ -169,14 +174,14 @@ def test_the_lag_keeps_sampled_adaptive_chains_lossless(monkeypatch):
     bias = torch.minimum(q, p) - q * p  # what admitting draft 1 only when it is A adds to A's probability
     token = int(torch.argmax(bias))
     assert float(bias[token]) > 0.1, "pick a prompt where the bias is large enough to see"
-    real = dspark_mod.confidences
+    real = drawn_mod.confidences  # a sampling run drafts its chain drawn (drafters/dspark_drawn.py)
 
     def designed(module, hidden, prev, temperature=None):
         c = torch.ones(prev.shape[0], prev.shape[1]) * (prev[:, 1:2] == token).float()
         c[:, 0] = 0.5
         return c.to(real(module, hidden, prev).device)
 
-    monkeypatch.setattr(dspark_mod, "confidences", designed)
+    monkeypatch.setattr(drawn_mod, "confidences", designed)
     pvalues = {}
     for label, policy in (("lag", BudgetPolicy(shape.num_draft_tokens - 1, table)),
                           ("no lag", _NoLag(shape.num_draft_tokens - 1, table))):

@@ -146,7 +146,7 @@ def test_k1_expansion_is_the_chain_bitwise(model):
             blk = block_rows(model, module, block_ids(module, anchors), torch.tensor([r.seq_len for r in reqs]),
                              torch.cat([c.tables for c in contexts], 1), block_index(lengths, GAMMA))
             exp = expand_markov(module, blk, anchors, 1, GAMMA, keep_logits=True)
-            tokens, logits, _ = chain._walk(blk, anchors)
+            tokens, logits = chain._walk(blk, anchors)
         got = torch.cat([anchors.unsqueeze(1)] + [t.reshape(len(reqs), 1) for t in exp.token_list], 1)
         assert torch.equal(got, tokens)
         assert torch.equal(torch.stack([exp.logit_list[0]] + [x[:, 0] for x in exp.logit_list[1:]], 1), logits)

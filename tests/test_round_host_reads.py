@@ -9,8 +9,8 @@ with the batch, fails here, naming the op and the line. Three cases: the MTP tre
 steps, 8 nodes), the DSpark chain (fixed) and the budgeted DSpark tree (topk 4, 16 nodes, a cost
 table), greedy, fp32, on the shipped checkpoint; the two trees sampled too (acceptance on the
 device: verify/accept_batch.sample_accept for the MTP tree, drawn_accept for the drawn DSpark
-tree, whose spine length is set on the device, budget_policy.chain_fixed). A sampled DSpark chain is drawn on the host (its
-draw distributions) and is not held to this."""
+tree, whose spine length is set on the device, budget_policy.chain_fixed), and the sampled DSpark
+chain (a drawn tree without siblings, drawn on the device)."""
 from __future__ import annotations
 
 import pytest
@@ -63,7 +63,7 @@ def _rounds(model, case: str, bs: int, monkeypatch, temperature=None) -> list:
 
 
 @pytest.mark.parametrize("case, temperature", [(c, None) for c in CASES] + [
-    ("mtp tree", 1.0), ("dspark tree budgeted", 1.0)])  # sampled: trees fixed before any draw
+    ("mtp tree", 1.0), ("dspark chain", 1.0), ("dspark tree budgeted", 1.0)])  # sampled: top-K, drawn, drawn
 def test_a_round_reads_the_host_a_fixed_few_times(trained, case, temperature, monkeypatch):
     counts = {}
     ops = {}

@@ -40,7 +40,6 @@ from ..errors import ConfigError, InputError, StateError
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from ..verify.sampling import target_probs
 from .base import TreeShape
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
@@ -251,27 +250,21 @@ class DSparkDrafter:
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
                          block_index(lengths, module.settings.block_rows).to(dev))
-        if self.shape.topk > 1:
-            trees = self._tree(requests, blk, anchors, size)
+        if self.sampling is not None or self.shape.topk > 1:  # drawn (chains and trees), or a Markov tree
+            trees = (self._drawn_tree if self.sampling is not None else self._tree)(requests, blk, anchors, size)
             self._keep(requests, staged)
             return trees
-        tokens, logits, probs = self._walk(blk, anchors)
+        tokens, logits = self._walk(blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
         conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
-        if probs is None:  # greedy: the chains in the draft's one read
-            chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
-            trees = TreeBatch(tokens, chain).trees()
-        with torch.inference_mode(False):  # trees and records are the caller's: ordinary tensors
-            host = tokens.cpu()
-            if probs is not None:  # drawn: each chain with its draw distributions (host, from _walk)
-                q = probs.cpu()
-                trees = [DraftTree(host[b].clone(), torch.arange(host.shape[1]) - 1, draft_probs=q[b].clone())
-                         for b in range(len(requests))]
+        chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
+        trees = TreeBatch(tokens, chain).trees()  # the chains in the draft's one read
+        with torch.inference_mode(False):  # records are the caller's: ordinary tensors
             if self.record:
                 for b, req in enumerate(requests):
                     self.records[req.request_id] = DSparkRecord(blk.base[b].clone(), blk.hidden[b].clone(),
-                                                                logits[b].clone(), conf[b].clone(), host[b].clone())
+                                                                logits[b].clone(), conf[b].clone(), tokens[b].clone())
             if self._measuring:  # SGLang's confidence-scheduled lengths (budget_policy.chain)
                 trees = adaptive_chains(self.policy, model, requests, trees, conf.cpu())
         return trees
@@ -287,28 +280,19 @@ class DSparkDrafter:
             return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
     def _walk(self, blk, anchors: torch.Tensor):
-        """The Markov head left to right. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32,
-        the draws' distributions [B, gamma, V] float64 or None)."""
-        prev, toks, logits, probs = anchors, [anchors], [], []
+        """The Markov head left to right, greedy. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32)."""
+        prev, toks, logits = anchors, [anchors], []
         for k in range(self.module.block_size):
             lk = markov_logits(self.module, blk.base[:, k], prev)  # [B, V]
-            if self.sampling is None:
-                prev = lk.argmax(-1)
-            else:
-                temperature, top_p, generator = self.sampling
-                q = target_probs(lk.cpu(), temperature, top_p)  # [B, V] float64
-                probs.append(q)
-                prev = torch.multinomial(q, 1, generator=generator).squeeze(1).to(anchors.device)
+            prev = lk.argmax(-1)
             logits.append(lk)
             toks.append(prev)
-        return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(probs, 1) if probs else None
+        return torch.stack(toks, 1), torch.stack(logits, 1)
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
         """The Markov tree of every request (module docstring): fixed size, or the batch budget's;
         a sampling run's tree is drawn (_drawn_tree)."""
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
-        if self.sampling is not None:
-            return self._drawn_tree(requests, blk, anchors, size)
         exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
                             temperatures=self.temperatures)
         if size == "adaptive":
@@ -325,10 +309,11 @@ class DSparkDrafter:
         return trees
 
     def _drawn_tree(self, requests, blk, anchors, size: str) -> list:
-        """Sampling: every request's drawn tree (drafters/dspark_drawn.py), all of it or, adaptive,
-        the spine the chain's budget rule gives with the siblings worth at least that budget's
-        last spine node; decided on the device, one host read (the budget rides in it)."""
-        if self.branching != "markov":
+        """Sampling: every request's drawn tree (drafters/dspark_drawn.py; eagle_topk 1: the drawn
+        chain), all of it or, adaptive, the spine the chain's budget rule gives with the siblings
+        worth at least that budget's last spine node; decided on the device, one host read (the
+        budget rides in it)."""
+        if self.shape.topk > 1 and self.branching != "markov":
             raise ConfigError(f"branching={self.branching!r} is a greedy measurement baseline; a sampling run drafts "
                               "drawn trees from the Markov head (branching='markov')")
         drawn = draw_tree(self.module, blk, anchors, self.shape.topk, self.shape.num_steps,
@@ -348,13 +333,19 @@ class DSparkDrafter:
             trees, extra = batch.trees_and(self.policy.unsettled(), rows)
             self.policy.settle(extra)
             self.policy.drafted(requests, sum(t.num_nodes for t in trees))
-            self.sibling_rate.drafted(requests, trees)
+            if self.shape.topk > 1:
+                self.sibling_rate.drafted(requests, trees)
         else:
             parents = torch.tensor(drawn.parents, device=dev).expand(b, -1)
             trees = TreeBatch(drawn.tokens, parents).trees(drawn.draw_probs)
         if self.record:
             with torch.inference_mode(False):
                 for i, (req, tree) in enumerate(zip(requests, trees)):
+                    if self.shape.topk == 1:  # the whole drawn chain, as a greedy chain is recorded
+                        self.records[req.request_id] = DSparkRecord(
+                            blk.base[i].clone(), blk.hidden[i].clone(), drawn.logits[i].clone(), conf[i].clone(),
+                            drawn.spine[i].clone())
+                        continue
                     d = torch.tensor(tree.host_depths[1:], dtype=torch.int64) - 1  # each node's parent depth
                     self.records[req.request_id] = DSparkTreeRecord(
                         tree, blk.base[i].cpu().clone(), blk.hidden[i].cpu().clone(),

@@ -128,8 +128,9 @@ def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor)
     surv = torch.cumprod(conf, 1)
     before = torch.cat([torch.ones_like(surv[:, :1]), surv[:, :-1]], 1)  # S_(k-1)
     rates = rates.to(conf.device, torch.float64)
-    reach = torch.cat([torch.ones_like(rates[:1]), torch.cumprod(1 - rates, 0)])  # [K]: tried, given the spine rejected
-    sib = torch.cat([torch.ones_like(rates[:1]), reach[:-1] * rates])  # rank 0 slot unused (the spine)
+    one = torch.ones(1, dtype=torch.float64, device=conf.device)
+    reach = torch.cat([one, torch.cumprod(1 - rates, 0)])  # [K]: tried, given the spine rejected
+    sib = torch.cat([one, reach[:-1] * rates])  # rank 0 slot unused (the spine)
     depth, rank = [], []
     for k, s in enumerate(drawn.counts):
         depth += [k] * (s + 1)
