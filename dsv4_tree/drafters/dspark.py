@@ -6,14 +6,15 @@ request's block [anchor, noise x (gamma - 1)], then the Markov head runs left to
 x_k = argmax (greedy runs) or a draw (sampling runs, `set_sampling`) from
 softmax(U_k + W2 W1[x_{k-1}]). The chain is [anchor, x_1 .. x_gamma]: eagle_topk = 1,
 num_steps = gamma, num_draft_tokens = gamma + 1. A sampled chain carries the distributions its
-tokens were drawn from (`DraftTree.draft_probs`) so verify's rejection sampling is against them.
+tokens were drawn from (`DraftTree.draft_probs`) so verify's rejection sampling is against them;
+it is drawn on the device as the drawn tree without siblings (drafters/dspark_drawn.py).
 
 eagle_topk = K > 1 drafts a Markov tree from the same backbone pass (drafters/dspark_tree.py):
 num_steps <= gamma, each frontier node's top-K children from its own Markov-biased
 distribution, the best num_draft_tokens - 1 candidates by path probability: top-K, never drawn,
 so verify's tree rejection sampling is exact for it. A sampling run drafts a drawn tree instead
-(drafters/dspark_drawn.py): the chain's drawn spine with each spine node's best K - 1 tokens
-beside it, every node carrying the distribution it was drawn (or chosen) from.
+(drafters/dspark_drawn.py): the chain's drawn spine with the next best tokens beside each
+spine token, tried after it, every node carrying the distribution it was drawn (or chosen) from.
 
 size="adaptive" (or size=None under SpecConfig.draft_depth "adaptive": the default for trees,
 asked for explicitly on a chain) verifies what one budget for the whole batch buys
