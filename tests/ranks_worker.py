@@ -164,7 +164,12 @@ def dspark_size(sharded, plain, rank: int, p: list) -> dict:
 
     drafter.draft = draft
     out = dt.Engine(sharded, spec).generate(p, NEW_TOKENS, drafter=drafter)
-    return {"dspark_tokens": out.tokens, "dspark_sizes": sizes,
+    # sampled: drawn trees (drafters/dspark_drawn.py) from each rank's copy of one seed; a draft that
+    # differed between ranks would fail verify's fingerprint check
+    drawn = dt.Engine(sharded, dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=8, accept="sampling"))
+    sampled = drawn.generate(p, NEW_TOKENS, drafter="dspark", temperature=1.0, generator=torch.Generator().manual_seed(7))
+    return {"dspark_tokens": out.tokens, "dspark_sizes": sizes, "dspark_sampled": sampled.tokens,
+            "dspark_sampled_nodes": sampled.stats.round_nodes,
             "dspark_plain": dt.Engine(plain, spec).generate(p, NEW_TOKENS, drafter="dspark").tokens}
 
 

@@ -120,6 +120,15 @@ def test_dspark_tree_size_is_rank_0s_choice(ranks):
     assert r0["dspark_tokens"] == r1["dspark_tokens"] == r0["dspark_plain"]
 
 
+def test_sampled_dspark_trees_are_drawn_alike_on_every_rank(ranks):
+    """A sampling run's drawn DSpark trees, each rank drawing from its own copy of one seed: the
+    same trees on both ranks (verify's fingerprint check would raise otherwise), the same sizes
+    (rank 0's budget) and the same sampled output."""
+    r0, r1 = ranks[0]["tp"], ranks[1]["tp"]
+    assert r0["dspark_sampled"] == r1["dspark_sampled"] and len(r0["dspark_sampled"]) > 0
+    assert r0["dspark_sampled_nodes"] == r1["dspark_sampled_nodes"] and max(r0["dspark_sampled_nodes"]) > 1
+
+
 def test_custom_generate_acceptance_is_rank_0s(ranks):
     """custom_generate on a sharded model: sampled rows identical on both ranks (their global
     RNGs differ), greedy with a length processor identical too although rank 1 asked for a
