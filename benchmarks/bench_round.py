@@ -1,10 +1,11 @@
 """What one generate_batch round costs the host, and the MTP topk-2-tree protocol of arXiv 2609.24698.
 
 Part 1, per round (the rounds that ran every request of the batch), at bs 1 and 16, one torch
-thread, fp32, greedy, on the shipped checkpoint: host reads (diagnostics.HostReadCounter: what a
-GPU would wait for), non-view aten ops, and draft ms, for the MTP tree (topk 4, 5 steps, 8 nodes),
+thread, fp32, on the shipped checkpoint: host reads (diagnostics.HostReadCounter: what a GPU
+would wait for), non-view aten ops, and draft ms, for the MTP tree (topk 4, 5 steps, 8 nodes),
 the DSpark chain (fixed) and the budgeted DSpark tree (topk 4, 16 nodes; a cost table measured
-here first with profile_costs). The targets are ratios of bs 16 to bs 1 measured in this run.
+here first with profile_costs), greedy, and the two DSpark cases sampled (temperature 1: drawn
+chain and drawn tree). The targets are ratios of bs 16 to bs 1 measured in this run.
 
 Part 2, the paper's protocol: MTP trees at topk 2 against topk-1 chains at equal depth D (5..8),
 greedy, on prompts outside the checkpoint's training corpus (this project's own sources): tokens
@@ -39,16 +40,22 @@ NON_VIEW = ("aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten
 
 
 def round_cases(gamma: int) -> dict:
-    return {"mtp tree": ("mtp", 4, 5, 8, "fixed"), "dspark chain": ("dspark", 1, gamma, gamma + 1, "fixed"),
-            "dspark tree budgeted": ("dspark", 4, gamma, 16, "adaptive")}
+    """case -> (drafter, topk, steps, nodes, draft_depth, temperature: None greedy, else sampled)."""
+    return {"mtp tree": ("mtp", 4, 5, 8, "fixed", None), "dspark chain": ("dspark", 1, gamma, gamma + 1, "fixed", None),
+            "dspark tree budgeted": ("dspark", 4, gamma, 16, "adaptive", None),
+            "dspark chain sampled": ("dspark", 1, gamma, gamma + 1, "fixed", 1.0),
+            "dspark tree sampled": ("dspark", 4, gamma, 16, "adaptive", 1.0)}
 
 
 def measure_rounds(model, case, spec_args, bs: int, prompts, new_tokens: int, table) -> dict:
-    kind, topk, steps, nodes, depth = spec_args
-    spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth, max_requests=16)
+    kind, topk, steps, nodes, depth, temperature = spec_args
+    spec = dt.SpecConfig(eagle_topk=topk, num_steps=steps, num_draft_tokens=nodes, draft_depth=depth, max_requests=16,
+                         accept="greedy" if temperature is None else "sampling")
     engine = dt.Engine(model, spec)
     drafter = "mtp" if kind == "mtp" else DSparkDrafter(model, TreeShape.from_spec(spec), cost_table=table)
-    engine.generate_batch(prompts[:bs], 4, drafter=drafter, progress=False)  # warm-up
+    run = dict(drafter=drafter, progress=False, temperature=temperature)
+    seed = lambda: None if temperature is None else torch.Generator().manual_seed(0)  # noqa: E731
+    engine.generate_batch(prompts[:bs], 4, generator=seed(), **run)  # warm-up
     seen, real = [], gb._round
 
     def counted(engine, live, *args):
@@ -60,11 +67,11 @@ def measure_rounds(model, case, spec_args, bs: int, prompts, new_tokens: int, ta
 
     gb._round = counted
     try:
-        engine.generate_batch(prompts[:bs], new_tokens, drafter=drafter, progress=False)
+        engine.generate_batch(prompts[:bs], new_tokens, generator=seed(), **run)
     finally:
         gb._round = real
     # timed on its own (the counters intercept every op): the draft ms of the rounds with all bs live
-    outs = engine.generate_batch(prompts[:bs], new_tokens, drafter=drafter, progress=False)
+    outs = engine.generate_batch(prompts[:bs], new_tokens, generator=seed(), **run)
     longest = min(outs, key=lambda o: o.stats.rounds).stats  # every one of its rounds had the whole batch
     draft = longest.round_draft_seconds
     return {"case": case, "bs": bs, "rounds": len(seen), "host_reads_per_round": max(r for r, _ in seen),
