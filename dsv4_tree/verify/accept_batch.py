@@ -20,6 +20,9 @@ import collections
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..tree.build import links_from_parents
 
 
 @dataclass(frozen=True)
@@ -166,26 +169,19 @@ def drawn_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tenso
     fixed length. Uniforms: one draw of [B, max_depth + 1, slots + 1] from `generator` on its
     device, moved to the trees' device: no host read."""
     (b, n), dev = tokens.shape, tokens.device
-    ids, valid = _nodes(tokens, counts)
+    _, valid = _nodes(tokens, counts)
     steps = n - 1 if max_depth is None else min(max_depth, n - 1)
     slots = n - 1 if slots is None else max(1, min(slots, n - 1))
-    # kth[b, u, j]: u's j-th child in id order (n: none); a node's rank = earlier siblings
-    child_of = (parents.unsqueeze(1) == ids.view(1, n, 1)) & valid.unsqueeze(1)  # [B, u, i]
-    rank = (torch.cumsum(child_of.long(), 2) - 1).gather(1, parents.clamp(min=0).unsqueeze(1)).squeeze(1)  # [B, i]
-    keep = valid & (rank < slots)
-    flat = torch.where(keep, parents.clamp(min=0) * slots + rank.clamp(min=0), n * slots)  # n * slots: discarded
-    kth = torch.full((b, n * slots + 1), n, dtype=torch.int64, device=dev)
-    kth.scatter_(1, flat, torch.where(keep, ids.expand(b, n), n))
-    kth = kth[:, : n * slots].view(b, n, slots)
+    first, nxt = links_from_parents(torch.where(valid, parents, -1))  # children in id order, -1: none
     u, rows, cur, done, lengths, bonus = _walk_start(b, steps, slots + 1, generator, dev)
     cols = [cur]
     for s in range(steps + 1):
         residual = probs[rows, cur]  # [B, V]
         chosen = torch.full((b,), n, dtype=torch.int64, device=dev)
+        c = first[rows, cur]
         for j in range(slots):
-            c = kth[rows, cur, j]
-            live = (c < n) & (chosen == n) & ~done
-            cc = c.clamp(max=n - 1)
+            live = (c >= 0) & (chosen == n) & ~done
+            cc = c.clamp(min=0)
             t = tokens[rows, cc].unsqueeze(1)
             qc = q[rows, cc]  # [B, V]
             accept = live & (u[:, s, j] * qc.gather(1, t).squeeze(1) < residual.gather(1, t).squeeze(1))
@@ -195,6 +191,7 @@ def drawn_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tenso
             # a rejection replaces the residual; mass 0 (residual == q up to rounding) had probability 0
             swap = (live & ~accept).unsqueeze(1) & (mass > 0)
             residual = torch.where(swap, rest / mass.clamp(min=torch.finfo(rest.dtype).tiny), residual)
+            c = torch.where(c >= 0, nxt[rows, cc], c)
         stop = ~done & (chosen == n)
         cdf = torch.cumsum(residual, 1)
         drawn = torch.searchsorted(cdf, (u[:, s, slots] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
@@ -217,10 +214,8 @@ def device_drawn(trees: list, out, temperature: float, top_p: float, generator) 
     dev = logits.device
     tokens, parents, rows, counts = _padded(trees, out, dev)
     probs = target_probs(logits, temperature, top_p)[rows]  # [B, N, V] float64
-    n, vocab = tokens.shape[1], probs.shape[-1]
-    q = torch.zeros(len(trees), n, vocab, dtype=torch.float64, device=dev)
-    for b, t in enumerate(trees):
-        q[b, 1 : t.num_nodes] = t.draft_probs.to(dev, torch.float64)
+    rows_q = pad_sequence([t.draft_probs.to(dev, torch.float64) for t in trees], batch_first=True)  # [B, N - 1, V]
+    q = torch.cat([rows_q.new_zeros(len(trees), 1, rows_q.shape[2]), rows_q], 1)  # row 0: the root's, unused
     slots = max(max(collections.Counter(t.host_lists()[1][1:]).values(), default=1) for t in trees)
     acc = drawn_accept(tokens, parents, probs, q, counts, max(t.max_depth for t in trees), slots, generator)
     return [(tuple(row[2 : 3 + row[0]]), row[1]) for row in acc.packed().tolist()]
