@@ -46,7 +46,7 @@ from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, batch_of, budget_trees
 from .dspark_cache import DSparkContext, bring_up
-from .dspark_drawn import draw_tree, node_values, pool_parents, spine_confidences
+from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
 from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
@@ -324,10 +324,9 @@ class DSparkDrafter:
         if size == "adaptive":  # the spine's length by the chain's rule, siblings worth its price: on the device
             lens = self.policy.chain_fixed(self.model, [r.request_id for r in requests], conf)
             price = marginal_value(conf, self.policy.unsettled()[0])
-            depth = torch.tensor([d for d, s in enumerate(drawn.counts) for _ in range(s + 1)], device=dev)
-            spine = torch.tensor([i == 0 for s in drawn.counts for i in range(s + 1)], device=dev)
+            depth, rank = node_layout(drawn.counts, dev)
             values = node_values(drawn, conf, self.sibling_rate.rates(dev))
-            keep = (depth.unsqueeze(0) < (lens - 1).unsqueeze(1)) & (spine | (values >= price))
+            keep = (depth.unsqueeze(0) < (lens - 1).unsqueeze(1)) & ((rank == 0) | (values >= price))
             pool_par = torch.tensor(pool_parents(drawn), device=dev).expand(b, -1)
             batch, sel = batch_of(anchors, drawn.tokens[:, 1:], pool_par, keep, keep.shape[1])
             rows = drawn.draw_probs.gather(1, sel.unsqueeze(2).expand(-1, -1, drawn.draw_probs.shape[2]))

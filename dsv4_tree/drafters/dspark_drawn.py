@@ -118,6 +118,13 @@ def draw_tree(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_st
                      torch.stack(logits, 1) if logits else torch.zeros(b, 0, vocab, device=anchors.device))
 
 
+def node_layout(counts: list, device=None) -> tuple:
+    """Each non-root node's (depth - 1, rank: 0 the spine node, j the j-th sibling), [N - 1] each."""
+    depth = [k for k, s in enumerate(counts) for _ in range(s + 1)]
+    rank = [j for s in counts for j in range(s + 1)]
+    return torch.tensor(depth, device=device), torch.tensor(rank, device=device)
+
+
 def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
     """[B, N - 1] float64: the chance the accepted path takes each node. confidence [B, D]: c_k,
     the chance depth k's spine draft survives given its parent was accepted (the confidence
@@ -131,12 +138,7 @@ def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor)
     one = torch.ones(1, dtype=torch.float64, device=conf.device)
     reach = torch.cat([one, torch.cumprod(1 - rates, 0)])  # [K]: tried, given the spine rejected
     sib = torch.cat([one, reach[:-1] * rates])  # rank 0 slot unused (the spine)
-    depth, rank = [], []
-    for k, s in enumerate(drawn.counts):
-        depth += [k] * (s + 1)
-        rank += list(range(s + 1))  # 0: the spine node, j: the j-th sibling
-    d = torch.tensor(depth, device=conf.device)
-    r = torch.tensor(rank, device=conf.device)
+    d, r = node_layout(drawn.counts, conf.device)
     return torch.where(r == 0, surv[:, d], before[:, d] * (1 - conf[:, d]) * sib[r])
 
 
