@@ -103,7 +103,14 @@ def _ratio_step(t, ok, d, pos, row, a_node, closes, first, first_close, S, commi
     tl.store(branch_ptr + t * KB + v, committed_slots + row * S + a_node, mask=hit)
 
 
-@triton.jit
+# Integer arguments that Triton would specialise (== 1, divisible by 16) but that come from the
+# pools' sizes (the user's memory configuration) or change from step to step: left unspecialised,
+# so one compiled kernel serves every configuration and step, and the sm_90a gate's set covers
+# them (design_notes/aot-gate.md, "Coverage"). Their divisibility would only help vector loads.
+_LAYOUT_INTS = ["pt_stride", "n_pages", "S", "trash_recent", "a_committed", "a_trash", "b_committed", "b_trash"]
+
+
+@triton.jit(do_not_specialize=_LAYOUT_INTS)
 def _rows_kernel(buf_ptr, pt_ptr, swa_ptr, pt_stride, n_pages, ps, B, T, N, S, trash_recent,
                  ids_ptr, pos_ptr, loc_ptr, swa_out_ptr, swa_len_ptr, req_ptr, slot_ptr,
                  a_committed, a_trash, a_closes, a_entry, a_bstart, a_src, a_branch, a_blen,
@@ -189,7 +196,7 @@ def _entry_pages(b, row, seq_len, pt_ptr, pt_stride, n_pages, pages_ptr, len_ptr
         tl.store(pages_ptr + b * CP + c, pg, mask=c < CP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pt_stride", "n_pages", "a_cp", "b_cp"])  # as _LAYOUT_INTS
 def _requests_kernel(buf_ptr, pt_ptr, pt_stride, n_pages, B, N, grid_ptr,
                      a_pages, a_len, a_cp, b_pages, b_len, b_cp,
                      NP: tl.constexpr, BP: tl.constexpr, NUM_RATIOS: tl.constexpr,
@@ -210,7 +217,7 @@ def _requests_kernel(buf_ptr, pt_ptr, pt_stride, n_pages, B, N, grid_ptr,
         _entry_pages(b, row, seq_len, pt_ptr, pt_stride, n_pages, b_pages, b_len, B_M, b_cp, B_STRIDE, TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset", "U", "V"])  # a step's own counts (as _LAYOUT_INTS)
 def _apply_pages_kernel(buf_ptr, offset, U, V, pt_ptr, swa_ptr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     at = buf_ptr + offset

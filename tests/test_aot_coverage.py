@@ -7,11 +7,12 @@ is recorded with the numeric kernels skipped (dsv4_tree/aot/record.py): prefill_
 256-row chunk and its tail), tree verify and chain verify at several batch sizes, the greedy
 accept and commit, and the SGLang plug-in's compressor on SGLang's fp32 kv_score rows. Every
 specialisation it launches must be in the gate's set, the scenarios derived from the launch rules
-(dsv4_tree/aot/launch_rules.py). All of it is slow (minutes of recording at V4-Flash dims), so
-it runs nightly. The sample: a chain of 4 alone and a tree of 8 in a batch of 3
-(padded to 4), "auto" pools, against the rules' sample (`flash-sample`, the same N and
-batch sizes at every context class); the wide run: N 1 to 64 at 1, 2, 5, 9 and 16 requests in both
-pools against the full derived set, which the slow gate compiles. The public runs' contexts
+(dsv4_tree/aot/launch_rules.py). Recording is fast (record.py: numeric kernels and dense
+products skipped, the torch table build) over a model with zero weights. Every push: the sample,
+a chain of 4 alone and a tree of 8 in a batch of 3 (padded to 4), "auto" pools, against the rules'
+sample (`flash-sample`, the same N and batch sizes at every context class; ~10 s), and the
+planted fault. Nightly: the wide run, N 1 to 64 at 1, 2, 5, 9 and 16 requests in both pools
+against the full derived set, which the slow gate compiles (~2 min). The public runs' contexts
 (4301 + 7 i) are not the rules' (4200 + offsets): the rules must reach every class on their own."""
 from __future__ import annotations
 
@@ -72,10 +73,9 @@ def _missing(launched: dict, gate: dict) -> list:
 def flash_model():
     from dsv4_tree.aot.scenarios import model_for
 
-    return model_for("flash")
+    return model_for("flash", weights="zeros")
 
 
-@pytest.mark.slow  # ~4 min of recording at V4-Flash dims on the 2-core machine
 def test_every_spec_a_public_run_launches_is_in_the_gates_set(flash_model):
     from dsv4_tree.aot.scenarios import record
 
@@ -86,7 +86,6 @@ def test_every_spec_a_public_run_launches_is_in_the_gates_set(flash_model):
     assert _missing(launched, gate) == [], "\n".join(_missing(launched, gate))
 
 
-@pytest.mark.slow
 def test_the_gates_old_hand_picked_set_missed_launches(flash_model):
     """The planted fault: the hand-picked scenarios the gate had (FP8 pools, unbucketed, bs <= 2)
     miss specialisations a default run launches; the check above must see that."""
@@ -97,7 +96,7 @@ def test_the_gates_old_hand_picked_set_missed_launches(flash_model):
     assert _missing(launched, old), "an auto-pool, bucketed run at bs 3 launched nothing the old set lacked"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~2 min on the 2-core machine
 def test_every_spec_of_the_wider_public_run_is_in_the_full_derived_set(flash_model):
     from dsv4_tree.aot.scenarios import record
 

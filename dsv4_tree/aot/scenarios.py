@@ -59,11 +59,13 @@ RULES = ("tiny-rules", "flash-rules", "pro-rules")  # hundreds of steps: recorde
 FULL = tuple(n for n in SCENARIOS if n not in RULES)  # `slow` under every Triton / scripts/aot_gate --full
 
 
-def model_for(dims: str, dtype=None, device: str = "cpu"):
+def model_for(dims: str, dtype=None, device: str = "cpu", weights: str = "random"):
+    """The model a scenario runs at `dims`; weights "random" (seeded) or "zeros" (recording: no
+    value reaches a spec, checkpoint/tiny.py zero_model)."""
     import torch
 
     import dsv4_tree as dt
-    from dsv4_tree.checkpoint.tiny import random_model
+    from dsv4_tree.checkpoint.tiny import random_model, zero_model
 
     if dims == "tiny":
         cfg = dt.tiny_config(vocab_size=1024)
@@ -73,7 +75,8 @@ def model_for(dims: str, dtype=None, device: str = "cpu"):
         cfg = dt.tiny_config(**(FLASH if dims == "flash" else PRO), num_hidden_layers=3, layer_types=kinds,
                              mlp_layer_types=["moe"] * 3)
         dtype = dtype or torch.bfloat16
-    return dt.load_model(random_model(cfg, seed=0), device=device, dtype=dtype)
+    hf = zero_model(cfg) if weights == "zeros" else random_model(cfg, seed=0)
+    return dt.load_model(hf, device=device, dtype=dtype)
 
 
 def _engine(model, n: int, chunk: int, max_context: int, pools: str = "fp8_e4m3", max_requests: int = 2,
@@ -168,7 +171,7 @@ def record(names, progress=None) -> list:
             else:
                 if sc.dims not in models:
                     models.clear()
-                    models[sc.dims] = model_for(sc.dims)
+                    models[sc.dims] = model_for(sc.dims, weights="zeros")
                 for step in sc.steps:
                     _run_step(models[sc.dims], step)
         for key, r in rec.seen.items():

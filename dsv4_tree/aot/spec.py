@@ -104,19 +104,23 @@ class Specialiser:
         self.backend = make_backend(GPUTarget(*TARGET))
         self._jit = {}  # python function -> (JITFunction, binder)
 
-    def _binder(self, fn):
+    def _binder(self, fn, jit_options):
         if fn not in self._jit:
             from triton.runtime.jit import JITFunction, create_function_from_signature
 
-            jf = JITFunction(fn)  # a fresh JITFunction over the raw function, also under the interpreter
+            # a fresh JITFunction over the raw function, also under the interpreter, with the
+            # kernel's own do_not_specialize lists (what specialises an int argument)
+            keep = ("do_not_specialize", "do_not_specialize_on_alignment")
+            jf = JITFunction(fn, **{k: v for k, v in (jit_options or {}).items() if k in keep})
             self._jit[fn] = (jf, create_function_from_signature(jf.signature, jf.params, self.backend))
         return self._jit[fn]
 
-    def __call__(self, fn, args, kwargs, grid=(1,)) -> KernelSpec:
-        """fn: the kernel's python function (InterpretedFunction.fn / JITFunction.fn)."""
+    def __call__(self, fn, args, kwargs, grid=(1,), jit_options=None) -> KernelSpec:
+        """fn: the kernel's python function (InterpretedFunction.fn / JITFunction.fn); jit_options:
+        the keywords its @triton.jit was given (InterpretedFunction.kwargs)."""
         from triton import knobs
 
-        jf, binder = self._binder(fn)
+        jf, binder = self._binder(fn, jit_options)
         kwargs = dict(kwargs)
         # what JITFunction.run adds before binding
         kwargs["debug"] = kwargs.get("debug", jf.debug) or knobs.runtime.debug

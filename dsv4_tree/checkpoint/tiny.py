@@ -122,6 +122,25 @@ def random_model(config: DeepseekV4Config, seed: int = TINY_SEED) -> DeepseekV4F
     return model
 
 
+def zero_model(config: DeepseekV4Config) -> DeepseekV4ForCausalLM:
+    """A DeepseekV4ForCausalLM of `config` (fp32, CPU) with every weight zero but its hash-routing
+    tables (tid2eid: valid expert ids, seeded): for recording kernel launches (dsv4_tree/aot),
+    where no weight value reaches what is recorded. No init pass: at V4-Flash dims it takes under a
+    second where random_model takes about 12."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = DeepseekV4ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(TINY_SEED)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("tid2eid"):
+                _fill(name, t, g, config.n_routed_experts)
+            elif t.is_floating_point() and not name.endswith("inv_freq"):  # the RoPE tables stay as built
+                t.zero_()
+    return model
+
+
 def random_mtp(config: DeepseekV4Config, seed: int = TINY_SEED):
     """A seeded random MTP block for `config` (same value rules as the main weights)."""
     from .mtp import MtpBlock
