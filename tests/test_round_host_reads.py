@@ -30,6 +30,7 @@ TABLE = LineTable((1, 16), (0.01, 0.012), (0.0004, 0.0003), note="a fixed price 
 CASES = {  # kind, topk, num_steps, num_draft_tokens, draft_depth
     "mtp tree": ("mtp", 4, 5, 8, "fixed"),
     "dspark chain": ("dspark", 1, 5, 6, "fixed"),
+    "dspark chain budgeted": ("dspark", 1, 5, 6, "adaptive"),  # SGLang's confidence-scheduled lengths
     "dspark tree budgeted": ("dspark", 4, 5, 16, "adaptive"),
 }
 

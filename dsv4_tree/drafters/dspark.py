@@ -259,15 +259,16 @@ class DSparkDrafter:
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
         conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
-        chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
-        trees = TreeBatch(tokens, chain).trees()  # the chains in the draft's one read
-        with torch.inference_mode(False):  # records are the caller's: ordinary tensors
-            if self.record:
+        if self._measuring:  # SGLang's confidence-scheduled lengths, on the device: still the one read
+            trees = adaptive_chains(self.policy, model, requests, tokens, conf)
+        else:
+            chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
+            trees = TreeBatch(tokens, chain).trees()  # the chains in the draft's one read
+        if self.record:
+            with torch.inference_mode(False):  # records are the caller's: ordinary tensors
                 for b, req in enumerate(requests):
                     self.records[req.request_id] = DSparkRecord(blk.base[b].clone(), blk.hidden[b].clone(),
                                                                 logits[b].clone(), conf[b].clone(), tokens[b].clone())
-            if self._measuring:  # SGLang's confidence-scheduled lengths (budget_policy.chain)
-                trees = adaptive_chains(self.policy, model, requests, trees, conf.cpu())
         return trees
 
     def _without_fresh(self, engine, requests) -> list:

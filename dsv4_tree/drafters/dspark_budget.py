@@ -1,6 +1,6 @@
 """Adaptive DSpark drafts: the batch's verify budget picks each request's chain length or tree.
 
-`adaptive_chains`: the drafted chains cut to the lengths SGLang's rule gives (budget_policy.chain).
+`adaptive_chains`: the drafted chains cut to the lengths SGLang's rule gives (budget_policy.chain_fixed).
 `budget_trees`: every request's Markov expansion valued (node_values.pool_values), the batch's
 best candidates picked under one budget (budget_policy.tree), each request's picked candidates
 made a DraftTree. Both are exact for verify like any tree; trees are never drawn."""
@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from ..diagnostics import host_values
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .node_values import pool_values
 
 
-def adaptive_chains(policy, model, requests, chains: list, confidence: torch.Tensor) -> list:
-    """chains: the drafted DraftTrees (gamma + 1 nodes), confidence [R, gamma] -> each chain's first
-    verify-length nodes (a sampled chain keeps its draw distributions for those nodes)."""
-    lens = host_values(policy.chain(model, [r.request_id for r in requests], confidence)).tolist()  # host already
-    trees = [t.first_nodes(n) for t, n in zip(chains, lens)]
-    policy.drafted(requests, sum(lens))
+def adaptive_chains(policy, model, requests, tokens: torch.Tensor, confidence: torch.Tensor) -> list:
+    """tokens [R, gamma + 1] (the anchor, then the drafted chain), confidence [R, gamma] -> each
+    chain's first verify-length nodes, the lengths SGLang's rule gives (budget_policy.chain_fixed)
+    decided on the device; the chains and the budget reach the host in the draft's one read."""
+    lens = policy.chain_fixed(model, [r.request_id for r in requests], confidence)
+    ar = torch.arange(tokens.shape[1], device=tokens.device)
+    parents = torch.where(ar < lens.unsqueeze(1), ar - 1, -1)
+    trees, extra = TreeBatch(tokens, parents, lens).trees_and(policy.unsettled())
+    policy.settle(extra)
+    policy.drafted(requests, sum(t.num_nodes for t in trees))
     return trees
 
 
