@@ -20,10 +20,12 @@ TRITON = _parse(triton.__version__)  # (major, minor)
 # Launch choices that differ by version, each found by the sm_90a gate (dsv4_tree/aot) compiling
 # the library's launches under that version's compiler and ptxas:
 #
-# * Triton 3.6 and 3.7 let ptxas cap some 8-warp kernels' registers for occupancy (the indexer
-#   at 128, fp32 sparse decode at 168) and spill; asking for every register (maxnreg 255, the
-#   sm_90 limit) keeps them spill-free. 3.8 and 3.9 reach the same kernels without it.
-ALL_REGISTERS = {"maxnreg": 255} if TRITON < (3, 8) else {}
+# * ptxas may cap a kernel's registers for occupancy and spill: under Triton 3.6 and 3.7 some
+#   8-warp kernels at V4 dims (the indexer at 128, fp32 sparse decode at 168), and under 3.9 too
+#   at the derived set's small fp32 tiles (the indexer at 4 rows per request, grouped FP8 sparse
+#   decode at 1-2 rows: 128 registers and 4-20 bytes spilled). Asking for every register (maxnreg
+#   255, the sm_90 limit) keeps them spill-free under every version; it is no longer per version.
+ALL_REGISTERS = {"maxnreg": 255}
 # * Sparse decode at head_dim 512 runs 2 pipeline stages; 3.6 spills 28 bytes there with one list
 #   (no extra entries) and is clean with 1 stage (with two lists, 2 stages are clean and 1 spills).
 #   3.6 still spills the grouped form (rows of a tree sharing their compressed entries) at head
