@@ -41,3 +41,6 @@ INDEXER_WIDE_TILE = 32 if TRITON == (3, 7) else 64
 # * The compressor's row block at head_dim 512: 16 rows, but 3.6 spills 196 bytes there; 8 rows
 #   are clean.
 COMPRESS_ROWS = 8 if TRITON < (3, 7) else 16
+# * The table build's rows per program: 16, but 3.6 spills 8-56 bytes there at V4-Flash's tables
+#   (C4 ancestor walks of 1-64 blocks, 254-255 registers); 8 rows take 162-168 registers, clean.
+TABLE_ROWS = 8 if TRITON < (3, 7) else 16

@@ -34,11 +34,12 @@ import triton.language as tl
 from dsv4_tree.errors import ConfigError, InputError
 
 from ._launch import check, check_device, pow2
+from ._version import TABLE_ROWS
 
 MAX_RATIOS = 2
 APPLY_BLOCK = 256
 PAGE_TILE = 256
-ROW_BLOCK = 16  # rows per program of the rows kernel
+ROW_BLOCK = TABLE_ROWS  # rows per program of the rows kernel (_version.py: 8 under Triton 3.6)
 
 
 @triton.jit
