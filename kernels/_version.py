@@ -20,18 +20,19 @@ TRITON = _parse(triton.__version__)  # (major, minor)
 # Launch choices that differ by version, each found by the sm_90a gate (dsv4_tree/aot) compiling
 # the library's launches under that version's compiler and ptxas:
 #
-# * ptxas may cap a kernel's registers for occupancy and spill: under Triton 3.6 and 3.7 some
-#   8-warp kernels at V4 dims (the indexer at 128, fp32 sparse decode at 168), and under 3.8 / 3.9
-#   the small fp32 tiles of the tiny test model (the indexer at 4 rows per request, grouped FP8
-#   sparse decode at 1-2 rows: 128 registers, 4-20 bytes spilled). Asking for every register
-#   (maxnreg 255, the sm_90 limit) keeps those spill-free; but under 3.9 it makes two grouped
-#   bf16 (MMA) sparse decodes at head_dim 512 spill 8 bytes that are clean without it.
+# * ptxas may cap a kernel's registers for occupancy (at 128 or 168) and spill: under Triton 3.6
+#   and 3.7 some 8-warp kernels at V4 dims (the indexer, fp32 sparse decode), under 3.8 the grouped
+#   bf16 sparse decode at 4 rows per request over bf16 pools (8 bytes), and under 3.8 / 3.9 the
+#   tiny test model's small fp32 tiles (the indexer at 4 rows per request, grouped FP8 sparse
+#   decode at 1-2 rows: 4-20 bytes). Asking for every register (maxnreg 255, the sm_90 limit)
+#   keeps those spill-free; but under 3.9 it makes two grouped bf16 (MMA) sparse decodes at
+#   head_dim 512 spill 8 bytes that are clean without it. So: maxnreg 255 everywhere but 3.9's
+#   bf16 forms (each case found by the sm_90a gate, docs/gpu-check.md).
 
 
 def all_registers(mma: bool) -> dict:
-    """The indexer's and sparse decode's register option: maxnreg 255 under Triton 3.6 / 3.7, and
-    for the fp32 (non-MMA) forms under every version."""
-    return {"maxnreg": 255} if TRITON < (3, 8) or not mma else {}
+    """The indexer's and sparse decode's register option (above)."""
+    return {"maxnreg": 255} if TRITON < (3, 9) or not mma else {}
 # * Sparse decode at head_dim 512 runs 2 pipeline stages; 3.6 spills 28 bytes there with one list
 #   (no extra entries) and is clean with 1 stage (with two lists, 2 stages are clean and 1 spills).
 #   3.6 still spills the grouped form (rows of a tree sharing their compressed entries) at head
