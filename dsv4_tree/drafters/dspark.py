@@ -262,8 +262,7 @@ class DSparkDrafter:
         if self._measuring:  # SGLang's confidence-scheduled lengths, on the device: still the one read
             trees = adaptive_chains(self.policy, model, requests, tokens, conf)
         else:
-            chain = (torch.arange(tokens.shape[1], device=tokens.device) - 1).expand(tokens.shape)
-            trees = TreeBatch(tokens, chain).trees()  # the chains in the draft's one read
+            trees = TreeBatch.chains(tokens).trees()  # the chains in the draft's one read
         if self.record:
             with torch.inference_mode(False):  # records are the caller's: ordinary tensors
                 for b, req in enumerate(requests):

@@ -18,9 +18,7 @@ def adaptive_chains(policy, model, requests, tokens: torch.Tensor, confidence: t
     chain's first verify-length nodes, the lengths SGLang's rule gives (budget_policy.chain_fixed)
     decided on the device; the chains and the budget reach the host in the draft's one read."""
     lens = policy.chain_fixed(model, [r.request_id for r in requests], confidence)
-    ar = torch.arange(tokens.shape[1], device=tokens.device)
-    parents = torch.where(ar < lens.unsqueeze(1), ar - 1, -1)
-    trees, extra = TreeBatch(tokens, parents, lens).trees_and(policy.unsettled())
+    trees, extra = TreeBatch.chains(tokens, lens).trees_and(policy.unsettled())
     policy.settle(extra)
     policy.drafted(requests, sum(t.num_nodes for t in trees))
     return trees

@@ -80,6 +80,16 @@ class TreeBatch:
         return out, tail
 
     @classmethod
+    def chains(cls, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> "TreeBatch":
+        """tokens [B, N] as B chains (node i's parent i - 1), each cut to its count if given
+        (parents -1 past it)."""
+        ar = torch.arange(tokens.shape[1], device=tokens.device)
+        parents = (ar - 1).expand(tokens.shape)
+        if counts is not None:
+            parents = torch.where(ar < counts.unsqueeze(1), parents, -1)
+        return cls(tokens, parents, counts)
+
+    @classmethod
     def from_trees(cls, trees: list, device=None) -> "TreeBatch":
         """DraftTrees padded to the batch's largest (the public trees as one batch)."""
         n = max(t.num_nodes for t in trees)
