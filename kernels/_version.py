@@ -33,6 +33,8 @@ TRITON = _parse(triton.__version__)  # (major, minor)
 def all_registers(mma: bool) -> dict:
     """The indexer's and sparse decode's register option (above)."""
     return {"maxnreg": 255} if TRITON < (3, 9) or not mma else {}
+
+
 # * Sparse decode at head_dim 512 runs 2 pipeline stages; 3.6 spills 28 bytes there with one list
 #   (no extra entries) and is clean with 1 stage (with two lists, 2 stages are clean and 1 spills).
 #   3.6 still spills the grouped form (rows of a tree sharing their compressed entries) at head
