@@ -41,13 +41,23 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 @triton.jit
 def _tree_sum(v, BP: tl.constexpr, LOG_BP: tl.constexpr):
-    """Sum of v [BP, 2] (flat channel order 2p + j) as a pairwise tree, level by level."""
-    a, b = tl.split(v)
-    s = a + b
-    for i in tl.static_range(LOG_BP):
-        a, b = tl.split(tl.reshape(s, (BP >> (i + 1), 2)))
+    """Sum of v [BP, 2] (flat channel order 2p + j) as a pairwise tree: the tree over each of R
+    rows of C = min(2 BP, 64) channels, then the tree over the R row sums (the same tree).
+    The compile time depends on the form, not the sums: the flat tree halved LOG_BP times, or row
+    sums reshaped from [R, 1], took Triton 3.6 two minutes at BP 1024 (V4-Pro's q_a_norm) and 15 s
+    at 512; this form takes about a second under every version (design_notes/triton-versions.md)."""
+    LOG_C: tl.constexpr = 6 if LOG_BP >= 6 else LOG_BP + 1
+    C: tl.constexpr = 1 << LOG_C
+    R: tl.constexpr = (2 * BP) >> LOG_C
+    s = tl.reshape(v, (R, C))
+    for i in tl.static_range(LOG_C):
+        a, b = tl.split(tl.reshape(s, (R, C >> (i + 1), 2)))
         s = a + b
-    return tl.sum(s, axis=0)  # one element
+    s = tl.reshape(tl.sum(s, axis=1), (1, R))  # the row sums, in order ([R, 1] summed over its one column)
+    for i in tl.static_range(LOG_BP + 1 - LOG_C):
+        a, b = tl.split(tl.reshape(s, (1, R >> (i + 1), 2)))
+        s = a + b
+    return tl.sum(tl.sum(s, axis=1), axis=0)  # one element
 
 
 @triton.jit

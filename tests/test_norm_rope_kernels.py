@@ -55,8 +55,9 @@ def weight(d, dtype, seed, device):
     return (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
 
 
-# (T, H, D, half): q_a_norm-like rows (H = 1, D not a power of two), heads, V4-sized heads
-SHAPES = [(5, 1, 48, 0), (4, 3, 32, 4), (3, 2, 24, 6), (2, 2, 512, 32)]
+# (T, H, D, half): q_a_norm-like rows (H = 1, D not a power of two), heads, V4-sized heads, V4-Pro's
+# q_a_norm width (1536: the pair tree in 32 rows of 64, then over the rows)
+SHAPES = [(5, 1, 48, 0), (4, 3, 32, 4), (3, 2, 24, 6), (2, 2, 512, 32), (2, 1, 1536, 0)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
