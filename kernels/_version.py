@@ -45,8 +45,8 @@ def wide_decode_stages(has_extra: bool) -> int:
     """Pipeline stages of sparse decode at head_dim > 256."""
     return 1 if TRITON < (3, 7) and not has_extra else 2
 # * The indexer's key tile at rows of 8 or fewer: 64 columns, but 3.7 spills at KP 1024 (V4-Flash's
-#   top 512) with 64 and is clean with 32.
-INDEXER_WIDE_TILE = 32 if TRITON == (3, 7) else 64
+#   top 512) and 3.6 at KP 2048 (V4-Pro's top 1024, 32 bytes) with 64; both are clean with 32.
+INDEXER_WIDE_TILE = 32 if TRITON < (3, 8) else 64
 # * The compressor's row block at head_dim 512: 16 rows, but 3.6 spills 196 bytes there; 8 rows
 #   are clean.
 COMPRESS_ROWS = 8 if TRITON < (3, 7) else 16

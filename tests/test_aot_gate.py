@@ -25,11 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SGLANG_TRITON = "3.8.0"  # what SGLang 0.5.23's torch 2.14.1 brings (tests/with_sglang/test_sglang_env.py)
 # what each Triton's gate is known to flag, with why (kernels/_version.py; docs/gpu-check.md), all
 # under 3.6: its ptxas spills the grouped sparse decode (at head_dim 512 420-524 bytes whatever
-# the stages, tile or warps; the tiny fp32 model's 16-row group 92 bytes) and V4-Pro's indexer
-# top-k at KP 2048 (32 bytes)
+# the stages, tile or warps; the tiny fp32 model's 16-row group 92 bytes)
 KNOWN_FLAGS = {"3.6.0": lambda r: (r["kernel"] == "_sparse_decode_kernel" and "GROUPED=True" in r["spec"]
-                                   and r["flags"] == ["SPILL"])
-               or (r["kernel"] == "_indexer_topk_kernel" and "KP=2048" in r["spec"] and r["flags"] == ["SPILL"])}
+                                   and r["flags"] == ["SPILL"])}
 
 
 def _fail_text(report) -> str:
