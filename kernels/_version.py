@@ -38,12 +38,22 @@ def all_registers(mma: bool) -> dict:
 # * Sparse decode at head_dim 512 runs 2 pipeline stages; 3.6 spills 28 bytes there with one list
 #   (no extra entries) and is clean with 1 stage (with two lists, 2 stages are clean and 1 spills).
 #   3.6 still spills the grouped form (rows of a tree sharing their compressed entries) at head
-#   dim 512, 300-460 bytes whatever the stages, tile or warps: docs/gpu-check.md says so.
+#   dim 512, 420-524 bytes whatever the stages, tile, warps or dot orientation: docs/gpu-check.md
+#   says so.
 
 
 def wide_decode_stages(has_extra: bool) -> int:
     """Pipeline stages of sparse decode at head_dim > 256."""
     return 1 if TRITON < (3, 7) and not has_extra else 2
+
+
+# * Sparse decode runs 4 warps at head_dim 256 and below; 3.6 spills 92 bytes in the grouped fp32
+#   form (the tiny test model's 16-row tree group) there and is clean with 8.
+
+
+def decode_warps(d: int, grouped: bool, mma: bool) -> int:
+    """Warps of a sparse decode program (head_dim 512: 8; 4 warps or 3 stages spill there)."""
+    return 8 if d > 256 or (TRITON < (3, 7) and grouped and not mma) else 4
 # * The indexer's key tile at rows of 8 or fewer: 64 columns, but 3.7 spills at KP 1024 (V4-Flash's
 #   top 512) and 3.6 at KP 2048 (V4-Pro's top 1024, 32 bytes) with 64; both are clean with 32.
 INDEXER_WIDE_TILE = 32 if TRITON < (3, 8) else 64

@@ -26,7 +26,7 @@ from dsv4_tree.errors import InputError
 from ._dot import dot, operand
 from ._launch import FLOATS, INDEX, check, check_device, check_scale, pow2
 from ._meta import on_meta
-from ._version import all_registers, wide_decode_stages
+from ._version import all_registers, decode_warps, wide_decode_stages
 from ._pool_rows import PoolFormat, bf16_rows, load_pool_rows, pool_format
 
 
@@ -221,6 +221,6 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
         req_rows, n, groups, shared_pages, shared_len, shared_pages.shape[1], int(shared_per_page),
         FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d), MMA=mma,
-        num_warps=8 if d > 256 else 4, num_stages=wide_decode_stages(has_extra) if d > 256 else 3,  # head_dim 512: 4 warps or 3 stages spill
+        num_warps=decode_warps(d, grouped, mma), num_stages=wide_decode_stages(has_extra) if d > 256 else 3,
         **all_registers(mma))  # _version.py: what each Triton version needs
     return out, lse
