@@ -53,6 +53,12 @@ def check_index_query(q: torch.Tensor, weights: torch.Tensor, scale) -> tuple:
     return t, h, d
 
 
+# The indexer's and sparse decode's register option. ptxas may cap a kernel's registers for
+# occupancy (at 128 or 168) and spill: the sm_90a gate (dsv4_tree/aot) found it under every Triton
+# 3.6-3.9 (8-warp indexer and fp32 decode tiles at V4 dims, the grouped bf16 decode over bf16
+# pools, the tiny test model's fp32 tiles: 4-24 bytes). Asking for every register (255, the
+# sm_90 limit) keeps each of them spill-free (docs/gpu-check.md).
+ALL_REGISTERS = {"maxnreg": 255}
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32, torch.int64)
 

@@ -20,26 +20,11 @@ TRITON = _parse(triton.__version__)  # (major, minor)
 # Launch choices that differ by version, each found by the sm_90a gate (dsv4_tree/aot) compiling
 # the library's launches under that version's compiler and ptxas:
 #
-# * ptxas may cap a kernel's registers for occupancy (at 128 or 168) and spill: under Triton 3.6
-#   and 3.7 some 8-warp kernels at V4 dims (the indexer, fp32 sparse decode), under 3.8 the grouped
-#   bf16 sparse decode at 4 rows per request over bf16 pools (8 bytes), and under 3.8 / 3.9 the
-#   tiny test model's small fp32 tiles (the indexer at 4 rows per request, grouped FP8 sparse
-#   decode at 1-2 rows: 4-20 bytes). Asking for every register (maxnreg 255, the sm_90 limit)
-#   keeps those spill-free; but under 3.9 it makes two grouped bf16 (MMA) sparse decodes at
-#   head_dim 512 spill 8 bytes that are clean without it. So: maxnreg 255 everywhere but 3.9's
-#   bf16 forms (each case found by the sm_90a gate, docs/gpu-check.md).
-
-
-def all_registers(mma: bool) -> dict:
-    """The indexer's and sparse decode's register option (above)."""
-    return {"maxnreg": 255} if TRITON < (3, 9) or not mma else {}
-
-
 # * Sparse decode at head_dim 512 runs 2 pipeline stages; 3.6 spills 28 bytes there with one list
 #   (no extra entries) and is clean with 1 stage (with two lists, 2 stages are clean and 1 spills).
-#   3.6 still spills the grouped form (rows of a tree sharing their compressed entries) at head
-#   dim 512, 420-524 bytes whatever the stages, tile, warps or dot orientation: docs/gpu-check.md
-#   says so.
+#   (3.6 also spilled the grouped form at head_dim 512, 420-524 bytes, until the record layout's
+#   constants became constexprs and the logits were computed keys first, for every version:
+#   kernels/sparse_decode.py.)
 
 
 def wide_decode_stages(has_extra: bool) -> int:
@@ -47,13 +32,6 @@ def wide_decode_stages(has_extra: bool) -> int:
     return 1 if TRITON < (3, 7) and not has_extra else 2
 
 
-# * Sparse decode runs 4 warps at head_dim 256 and below; 3.6 spills 92 bytes in the grouped fp32
-#   form (the tiny test model's 16-row tree group) there and is clean with 8.
-
-
-def decode_warps(d: int, grouped: bool, mma: bool) -> int:
-    """Warps of a sparse decode program (head_dim 512: 8; 4 warps or 3 stages spill there)."""
-    return 8 if d > 256 or (TRITON < (3, 7) and grouped and not mma) else 4
 # * The indexer's key tile at rows of 8 or fewer: 64 columns, but 3.7 spills at KP 1024 (V4-Flash's
 #   top 512) and 3.6 at KP 2048 (V4-Pro's top 1024, 32 bytes) with 64; both are clean with 32.
 INDEXER_WIDE_TILE = 32 if TRITON < (3, 8) else 64

@@ -13,6 +13,9 @@ as a bf16 model's attention rounds them (the one rounding this form adds: relati
 otherwise fp32 inputs with `input_precision="ieee"` (never TF32). A tile holds at most 16 (row,
 head) pairs at head_dim 512 (64 at 128 and below), so the fp32 accumulator [pairs, head_dim] stays
 in registers (`_pairs`).
+The record layout's e4m3 width and scale tile are compile-time constants (one pair per model): as
+runtime ints, the per-column offsets derived from them stayed live across the kernel's three
+loops, and Triton 3.6 spilled the grouped decode at head_dim 512 (kernels/_version.py).
 Nothing here synchronises the host: every size comes from a tensor shape.
 Reference: dsv4_tree.reference.sparse_decode.ref_sparse_decode."""
 from __future__ import annotations
@@ -24,9 +27,9 @@ import triton.language as tl
 from dsv4_tree.errors import InputError
 
 from ._dot import dot, operand
-from ._launch import FLOATS, INDEX, check, check_device, check_scale, pow2
+from ._launch import ALL_REGISTERS, FLOATS, INDEX, check, check_device, check_scale, pow2
 from ._meta import on_meta
-from ._version import all_registers, decode_warps, wide_decode_stages
+from ._version import wide_decode_stages
 from ._pool_rows import PoolFormat, bf16_rows, load_pool_rows, pool_format
 
 
@@ -58,11 +61,14 @@ def _attend(q, m_i, l_i, acc, cell0, t0, rows_ptr, N, m_row, idx_ptr, len_ptr, K
 
 
 @triton.jit
-def _fold(q, kv, mine, m_i, l_i, acc, scale, MMA: tl.constexpr):
+def _fold(qt, kv, mine, m_i, l_i, acc, scale, MMA: tl.constexpr):
     """One online-softmax step over a key tile kv [BC, BD] (mine [BM, BC]: which keys each query
-    sees); q is already a dot operand (`operand(., MMA)`)."""
+    sees); qt is q^T [BD, BM], already a dot operand (`operand(., MMA)`). The logits are computed
+    keys first, (K q^T)^T: the key tile is the dot's left operand, read per step, and q^T the
+    right one, held across the loop in half the registers q as the left operand takes (the
+    grouped decode at head_dim 512 spilled 120-420 bytes under Triton 3.6 the other way round)."""
     kv = operand(kv, MMA)
-    logits = dot(q, tl.trans(kv), MMA)
+    logits = tl.trans(dot(kv, qt, MMA))
     logits = tl.where(mine, logits * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on rows without keys yet
@@ -76,8 +82,9 @@ def _fold(q, kv, mine, m_i, l_i, acc, scale, MMA: tl.constexpr):
 @triton.jit
 def _sparse_decode_kernel(
     q_ptr, sink_ptr, out_ptr, lse_ptr, H, D, scale,
-    idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM, TILE,
-    xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM, XTILE,
+    idx_ptr, len_ptr, K, kv_ptr, PAGE, PAGE_BYTES, DATA_BYTES, SCALE_BYTES, FP8_DIM: tl.constexpr, TILE: tl.constexpr,
+    xidx_ptr, xlen_ptr, XK, xkv_ptr, XPAGE, XPAGE_BYTES, XDATA_BYTES, XSCALE_BYTES, XFP8_DIM: tl.constexpr,
+    XTILE: tl.constexpr,
     rows_ptr, N, G, spages_ptr, slen_ptr, SCP, SEPP,
     FMT: tl.constexpr, XFMT: tl.constexpr, HAS_EXTRA: tl.constexpr, GROUPED: tl.constexpr,
     BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, MMA: tl.constexpr,
@@ -99,7 +106,7 @@ def _sparse_decode_kernel(
     live = (t_m >= 0) & (rh < H)
     qrow = tl.where(live, t_m, 0) * H + rh
     q = tl.load(q_ptr + qrow[:, None] * D + rd[None, :], mask=live[:, None] & (rd[None, :] < D), other=0.0)
-    q = operand(q, MMA)
+    q = tl.trans(operand(q, MMA))  # q^T [BD, BM]: _fold's right operand
     m_i = tl.full((BR * BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BR * BH,), tl.float32)
     acc = tl.zeros((BR * BH, BD), tl.float32)
@@ -221,6 +228,8 @@ def sparse_decode(q, kv, indices, lengths, sinks, scale, extra_kv=None, extra_in
         extra_indices, extra_lengths, extra_indices.shape[1], *extra.kernel_args(),
         req_rows, n, groups, shared_pages, shared_len, shared_pages.shape[1], int(shared_per_page),
         FMT=main.fmt, XFMT=extra.fmt, HAS_EXTRA=has_extra, GROUPED=grouped, BR=br, BH=bh, BK=bk, BS=16, BD=pow2(d), MMA=mma,
-        num_warps=decode_warps(d, grouped, mma), num_stages=wide_decode_stages(has_extra) if d > 256 else 3,
-        **all_registers(mma))  # _version.py: what each Triton version needs
+        # head_dim 512: 4 warps or 3 stages spill; the grouped fp32 form (the tiny test model's tree
+        # groups) spills up to 92 bytes at 4 warps (the aot gate); stages under 3.6: _version.py
+        num_warps=8 if d > 256 or (grouped and not mma) else 4,
+        num_stages=wide_decode_stages(has_extra) if d > 256 else 3, **ALL_REGISTERS)
     return out, lse

@@ -35,9 +35,9 @@ import triton.language as tl
 from dsv4_tree.numerics.ties import TIE_MARGIN
 from dsv4_tree.errors import InputError
 
-from ._launch import INDEX, check, check_device, check_index_query, pow2
+from ._launch import ALL_REGISTERS, INDEX, check, check_device, check_index_query, pow2
 from ._meta import on_meta
-from ._version import all_registers, INDEXER_WIDE_TILE
+from ._version import INDEXER_WIDE_TILE
 from ._dot import INTERPRETED, dot, operand
 from ._pool_rows import INDEX_KEY_RECORD, bf16_rows, dot_keys, pool_format
 
@@ -273,7 +273,7 @@ def indexer_topk_scores(q, weights, keys, entry_pages, entries_per_page, entry_l
         q, weights, entry_pages, entry_len, branch, req_rows, sel, lengths, ties, scores, buf, h, d, n, groups, cp, epp,
         kb, k, float(scale), TIE_MARGIN, *fmt.kernel_args(),
         FMT=fmt.fmt, MMA=mma, CODES=mma and fmt.fmt == INDEX_KEY_RECORD, BN=bn, BH=bh, BC=min(INDEXER_WIDE_TILE if bn <= 8 else 32, kp),
-        KP=kp, BD=pow2(d), num_warps=8, **all_registers(mma))  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
+        KP=kp, BD=pow2(d), num_warps=8, **ALL_REGISTERS)  # at 4 warps (or BC 64 at BN 16) the V4 tiles spill: the aot gate
     return sel, lengths, ties, scores
 
 
