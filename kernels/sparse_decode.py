@@ -15,7 +15,7 @@ head) pairs at head_dim 512 (64 at 128 and below), so the fp32 accumulator [pair
 in registers (`_pairs`).
 The record layout's e4m3 width and scale tile are compile-time constants (one pair per model): as
 runtime ints, the per-column offsets derived from them stayed live across the kernel's three
-loops, and Triton 3.6 spilled the grouped decode at head_dim 512 (kernels/_version.py).
+loops, and Triton 3.6 spilled the grouped decode at head_dim 512 (docs/gpu-check.md).
 Nothing here synchronises the host: every size comes from a tensor shape.
 Reference: dsv4_tree.reference.sparse_decode.ref_sparse_decode."""
 from __future__ import annotations
@@ -64,9 +64,10 @@ def _attend(q, m_i, l_i, acc, cell0, t0, rows_ptr, N, m_row, idx_ptr, len_ptr, K
 def _fold(qt, kv, mine, m_i, l_i, acc, scale, MMA: tl.constexpr):
     """One online-softmax step over a key tile kv [BC, BD] (mine [BM, BC]: which keys each query
     sees); qt is q^T [BD, BM], already a dot operand (`operand(., MMA)`). The logits are computed
-    keys first, (K q^T)^T: the key tile is the dot's left operand, read per step, and q^T the
-    right one, held across the loop in half the registers q as the left operand takes (the
-    grouped decode at head_dim 512 spilled 120-420 bytes under Triton 3.6 the other way round)."""
+    keys first, (K q^T)^T: the key tile, read per step, is the dot's left operand and q^T, held
+    across the loops, the right one (as the left operand every warp held q whole; with the
+    constexpr record layout this took the grouped decode at head_dim 512 under Triton 3.6 from
+    72 bytes spilled to none)."""
     kv = operand(kv, MMA)
     logits = tl.trans(dot(kv, qt, MMA))
     logits = tl.where(mine, logits * scale, float("-inf"))
