@@ -26,9 +26,7 @@ SGLANG_TRITON = "3.8.0"  # what SGLang 0.5.23's torch 2.14.1 brings (tests/with_
 
 
 def _fail_text(report) -> str:
-    bad = [r for r in report.rows if r["flags"] and r["where"] != "control"]
-    return report.text() + "\n" + "\n".join(f"{r['kernel']} [{r['where']}] {r['spec']}: {r['flags']} {r['error']}"
-                                            for r in bad)
+    return report.text() + "\n" + "\n".join(_flagged({"rows": report.rows}))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +103,7 @@ def gate_under(version: str, scenarios, cache=None) -> dict:
 
 
 def _flagged(report):
+    """One line per flagged specialisation of a gate report (the controls left out)."""
     return [f"{r['kernel']} [{r['where']}] {r['spec']}: {r['flags']} {r.get('error') or ''}"[:600]
             for r in report["rows"] if r["flags"] and r["where"] != "control"]
 
