@@ -10,6 +10,7 @@ Steps, in priority order (a step that would start after --budget-s is spent is m
   bench_verify_triton  bench_verify_64K with --backend triton (the Triton kernels)
   bench_batch        benchmarks/bench_batch.py, bf16
   cuda_graph         bench_batch eager vs --cuda-graph-max-bs 64 (where SpecConfig has the field)
+  draft_graph        benchmarks/bench_draft_graphs.py: DSpark drafts eager vs captured per batch bucket
   bench_verify_256K, bench_verify_1M
 --dry-run runs the same steps on CPU, fp32, at tiny shapes (one bench_verify context, 4K; the
 gate on the tiny scenario alone; aot_launch is not available without a GPU), the
@@ -123,6 +124,9 @@ def headline(step: Step) -> str:
         return f"{r['verdict']}; controls: {ctl}; compile {r['compile_s']:.0f}s"
     if step.name == "aot_launch":
         return f"launched on {r['device']}: {', '.join(r['launched'])}"
+    if step.name == "draft_graph":
+        return "; ".join(f"{x['case']} bs={x['bs']}: draft ms eager/captured x{x['draft_eager_over_captured']:.2f}"
+                         f"{'' if x['same_tokens'] else ' (TOKENS DIFFER)'}" for x in r["ratios"])
     if step.name.startswith("bench_verify"):
         return (f"{r['context']} context, N={r['N']}: tree/chain {r['tree_over_chain']:.3f}, "
                 f"per-path/tree {r['per_path_over_tree']:.2f}")
@@ -175,11 +179,13 @@ def plan_steps(args, out: Path) -> list:
     if not has_graph_field(py):
         for g in graph:
             g.status, g.summary = "not available", "SpecConfig has no cuda_graph_max_bs field in this version"
+    draft = Step("draft_graph", [py, "benchmarks/bench_draft_graphs.py", *dev, "--bs", "1,2" if dry else "1,4,16",
+                                 "--reps", "1" if dry else "3", "--new-tokens", "8" if dry else "32"], args.limit_graph)
     aot_launch = Step("aot_launch", [py, "-m", "dsv4_tree.aot", "--launch"], args.limit_aot)
     if dry:
         aot_launch.status, aot_launch.summary = "not available", "needs a GPU (the dry run's gate records on the CPU)"
     aot_gate = Step("aot_gate", [py, "-m", "dsv4_tree.aot", *(["--scenarios", "tiny"] if dry else [])], args.limit_aot)
-    return [tests, aot_launch, verify[0], kernels, batch, *graph, *verify[1:], aot_gate]
+    return [tests, aot_launch, verify[0], kernels, batch, *graph, draft, *verify[1:], aot_gate]
 
 
 def graph_ratios(steps) -> list:

@@ -176,7 +176,7 @@ def test_a_failure_mid_draft_or_mid_commit_leaves_the_context(model, monkeypatch
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:  # the draft brings the context up, then fails in the backbone
-        m.setattr(dspark_module, "block_rows", boom)
+        m.setattr(dspark_module, "padded_block", boom)
         with pytest.raises(RuntimeError, match="injected"):
             drafter.draft(eng, [req])
     ctx = drafter.contexts[req.request_id]

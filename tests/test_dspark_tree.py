@@ -16,7 +16,7 @@ from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows
+from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, markov_walk
 from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up
 from dsv4_tree.drafters.dspark_tree import expand_markov
 from dsv4_tree.reference import relative_error
@@ -146,7 +146,7 @@ def test_k1_expansion_is_the_chain_bitwise(model):
             blk = block_rows(model, module, block_ids(module, anchors), torch.tensor([r.seq_len for r in reqs]),
                              torch.cat([c.tables for c in contexts], 1), block_index(lengths, GAMMA))
             exp = expand_markov(module, blk, anchors, 1, GAMMA, keep_logits=True)
-            tokens, logits = chain._walk(blk, anchors)
+            tokens, logits = markov_walk(module, blk, anchors)
         got = torch.cat([anchors.unsqueeze(1)] + [t.reshape(len(reqs), 1) for t in exp.token_list], 1)
         assert torch.equal(got, tokens)
         assert torch.equal(torch.stack([exp.logit_list[0]] + [x[:, 0] for x in exp.logit_list[1:]], 1), logits)

@@ -35,7 +35,7 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     assert proc.returncode == 0 and not bad, f"rc={proc.returncode} {bad}\n{proc.stderr[-2000:]}"
     assert report["mode"] == "dry-run"
     assert list(steps) == ["gpu_tests", "aot_launch", "bench_verify_4K", "bench_verify_triton", "bench_batch",
-                           "cuda_graph_eager", "cuda_graph_replay", "aot_gate"]
+                           "cuda_graph_eager", "cuda_graph_replay", "draft_graph", "aot_gate"]
     assert steps["aot_launch"]["status"] == "not available"  # no GPU: nothing to launch on
     gate = steps["aot_gate"]["result"]
     assert gate["ok"] and set(gate["kernels"]) >= {"_sparse_decode_kernel", "_indexer_topk_kernel"}, gate
@@ -49,6 +49,9 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     assert {(r["model"], r["bs"]) for r in batch["records"]} == {("trained", 1), ("trained", 2), ("flash", 1)}
     assert all(r["ops"] > 0 and r["verify_ms"] > 0 and r["plan_ms"] > 0 for r in batch["records"])
     assert batch["plan_timer"] in ("engine.plan", "build_plan")
+    draft = steps["draft_graph"]["result"]  # the eager stand-in on CPU: same tokens, every case and bs
+    assert {(r["case"], r["bs"]) for r in draft["ratios"]} == {(c, b) for c in ("dspark chain", "dspark tree (topk 4, 8 nodes)")
+                                                              for b in (1, 2)} and all(r["same_tokens"] for r in draft["ratios"])
     graph = steps["cuda_graph_replay"]
     assert (graph["status"] == "not available") == (not report["cuda_graph"]), graph
     md = (tmp_path / "report.md").read_text()

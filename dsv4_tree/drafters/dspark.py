@@ -38,17 +38,17 @@ from ..checkpoint.dspark_names import load_dspark
 from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
-from ..tree.build import local_parents, organize_draft_results
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .base import TreeShape
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, batch_of, budget_trees
-from .dspark_cache import DSparkContext, bring_up
+from .dspark_cache import DSparkContext, bring_up, pack_contexts
+from .dspark_graphs import DraftGraphs, fixed_draft, fixed_tree, padded_block
 from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
-from .dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
+from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .verify_budget import marginal_value
 from .mtp import depth_for
@@ -128,7 +128,7 @@ class DSparkDrafter:
 
     def __init__(self, model, shape: TreeShape, module: DSparkModule | None = None, record: bool = False,
                  size: str | None = None, branching: str = "markov", clock=time.perf_counter,
-                 cost_table=None, values=None, confidence_sts=None):
+                 cost_table=None, values=None, confidence_sts=None, graphs=False):
         """size: None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees by
         default, fixed for chains) | "fixed" (the chain; num_draft_tokens tree nodes) | "adaptive"
         (the batch's verify budget); branching: "markov" | "base" (the DDTree-style baseline, for
@@ -136,7 +136,10 @@ class DSparkDrafter:
         path (drafters/cost_table.py; None: learnt online); values: a fitted node-value model
         (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
         confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
-        or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1)."""
+        or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1); graphs: True
+        captures a greedy fixed-size draft's device half in a CUDA graph per batch bucket and
+        replays it (drafters/dspark_graphs.py; a CUDA model only), or a capture function of
+        executor/graphs.py's contract (eager_capture: the same replay path on any device)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
         check_module(model, self.module)
@@ -166,6 +169,19 @@ class DSparkDrafter:
         # per-depth STS temperatures of the confidence head [gamma] (None: 1)
         self.temperatures = (None if confidence_sts is None else
                              torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
+        self.graphs = self._graphs(graphs)
+
+    def _graphs(self, graphs) -> DraftGraphs | None:
+        if graphs is False or graphs is None:
+            return None
+        if graphs is True:
+            if self.model.device.type != "cuda":
+                raise ConfigError(f"DSparkDrafter graphs=True captures drafts in CUDA graphs; the model is on "
+                                  f"{self.model.device} (graphs=False there)")
+            return DraftGraphs(self._fixed, self.model.window)
+        if not callable(graphs):
+            raise ConfigError(f"DSparkDrafter graphs must be True, False or a capture function, got {graphs!r}")
+        return DraftGraphs(self._fixed, self.model.window, capture=graphs)
 
     @property
     def feature_layers(self) -> tuple:
@@ -245,17 +261,20 @@ class DSparkDrafter:
         staged = [DSparkContext(c.tables, c.seq_len) for c in contexts]  # kept only if the draft succeeds
         bring_up(model, module, staged, requests)
         dev = model.device
-        lengths = torch.tensor([c.tables.shape[1] for c in staged])
-        tables = torch.cat([c.tables for c in staged], 1)
+        tables, lengths = pack_contexts(staged, model.window)
+        lengths = torch.tensor(lengths, device=dev)
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
-        blk = block_rows(model, module, block_ids(module, anchors), starts, tables,
-                         block_index(lengths, module.settings.block_rows).to(dev))
+        if self._replays(engine, size, len(requests)):  # the bucket's captured draft, then the one read
+            trees = self.graphs.run(anchors, starts, tables, lengths).trees()
+            self._keep(requests, staged)
+            return trees
+        blk = padded_block(model, module, anchors, starts, tables, lengths, model.window)
         if self.sampling is not None or self.shape.topk > 1:  # drawn (chains and trees), or a Markov tree
             trees = (self._drawn_tree if self.sampling is not None else self._tree)(requests, blk, anchors, size)
             self._keep(requests, staged)
             return trees
-        tokens, logits = self._walk(blk, anchors)
+        tokens, logits = markov_walk(module, blk, anchors)
         self._keep(requests, staged)
         # the token before each position (the anchor, then the drafts)
         conf = confidences(module, blk.hidden, tokens[:, :-1], self.temperatures) if self.record or self._measuring else None
@@ -280,29 +299,30 @@ class DSparkDrafter:
         with torch.inference_mode(False):
             return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
-    def _walk(self, blk, anchors: torch.Tensor):
-        """The Markov head left to right, greedy. -> (tokens [B, gamma + 1], logits [B, gamma, V] fp32)."""
-        prev, toks, logits = anchors, [anchors], []
-        for k in range(self.module.block_size):
-            lk = markov_logits(self.module, blk.base[:, k], prev)  # [B, V]
-            prev = lk.argmax(-1)
-            logits.append(lk)
-            toks.append(prev)
-        return torch.stack(toks, 1), torch.stack(logits, 1)
+    def _replays(self, engine, size: str, b: int) -> bool:
+        """A captured draft serves greedy drafts of a fixed size, unrecorded, in the engine's
+        graphed batches (SpecConfig.cuda_graph_max_bs, else max_requests)."""
+        if self.graphs is None or self.sampling is not None or self.record or size != "fixed":
+            return False
+        limit = engine.spec.cuda_graph_max_bs
+        return b <= (limit if limit is not None else engine.spec.max_requests)
+
+    def _fixed(self, anchors, starts, tables, lengths) -> TreeBatch:
+        return fixed_draft(self.model, self.module, self.shape, self.branching, self.temperatures, self.model.window,
+                           anchors, starts, tables, lengths)
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
         """The Markov tree of every request (module docstring): fixed size, or the batch budget's;
         a sampling run's tree is drawn (_drawn_tree)."""
-        k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
-        exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
-                            temperatures=self.temperatures)
+        k, steps = self.shape.topk, self.shape.num_steps
         if size == "adaptive":
+            exp = expand_markov(self.module, blk, anchors, k, steps, self.branching, keep_logits=self.record,
+                                temperatures=self.temperatures)
             trees, chosen = budget_trees(self.policy, self.values, self.model, requests, exp, anchors, k)
         else:
-            pool = sum(x[0].numel() for x in exp.score_list)
-            org = organize_draft_results(exp.score_list, exp.token_list, exp.parents_list, min(n, pool + 1))
-            local = local_parents(org.parent_list, org.top_scores_index, k, check=False)  # connected by construction
-            trees = TreeBatch(torch.cat([anchors.unsqueeze(1), org.draft_tokens], 1), local).trees()  # the one read
+            batch, exp, org = fixed_tree(self.module, blk, anchors, self.shape, self.branching, self.temperatures,
+                                         keep_logits=self.record)
+            trees = batch.trees()  # the one read
             chosen = list(org.top_scores_index.cpu()) if self.record else None
         if self.record:
             with torch.inference_mode(False):

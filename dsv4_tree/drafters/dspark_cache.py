@@ -57,3 +57,19 @@ def bring_up(model, module, contexts: list, requests: list) -> None:
         ctx.tables = torch.cat([ctx.tables, rows[:, start:start + n]], 1)[:, -model.window:]
         ctx.seq_len = req.seq_len
         start += n
+
+
+def pack_contexts(contexts: list, width: int) -> tuple[torch.Tensor, list]:
+    """Every request's context padded to `width` rows, back to back: (tables [S, B * width,
+    head_dim] (request b's rows first in its slot, zeros after), lengths [B] on the host); the
+    keys padded_block_index lists for it."""
+    s, _, d = contexts[0].tables.shape
+    out = contexts[0].tables.new_zeros(s, len(contexts), width, d)
+    lengths = []
+    for b, ctx in enumerate(contexts):
+        w = ctx.tables.shape[1]
+        if w > width:
+            raise StateError(f"a DSpark context holds {w} rows, more than the window {width}")
+        out[:, b, :w] = ctx.tables
+        lengths.append(w)
+    return out.view(s, len(contexts) * width, d), lengths

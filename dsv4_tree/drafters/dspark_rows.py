@@ -58,6 +58,20 @@ def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
     return torch.cat([ctx, own], 1).repeat_interleave(gamma, dim=0)
 
 
+def padded_block_index(lengths: torch.Tensor, gamma: int, width: int) -> torch.Tensor:
+    """block_index at a fixed shape, on lengths' device (no host read: what a captured draft
+    runs): request b's context at table rows b * width .. b * width + lengths[b] - 1 (contexts
+    padded to `width` rows each, pack_contexts), then the B * gamma block rows.
+    -> [B * gamma, width + gamma] ids into table ++ block rows, -1 = none."""
+    b, dev = lengths.shape[0], lengths.device
+    req = torch.arange(b, device=dev).unsqueeze(1)
+    j = torch.arange(width, device=dev)
+    ctx = torch.where(j < lengths.unsqueeze(1), req * width + j, -1)
+    own = b * width + req * gamma + torch.arange(gamma, device=dev)
+    keys = torch.cat([ctx, own], 1)  # [B, width + gamma]
+    return keys.unsqueeze(1).expand(b, gamma, width + gamma).reshape(b * gamma, width + gamma)
+
+
 def block_ids(module, anchors: torch.Tensor) -> torch.Tensor:
     """anchors [B] -> block input ids [B, rows]: the anchor, then the noise token (rows = gamma, or
     gamma + 1 without sample_from_anchor: settings.block_rows)."""
@@ -90,6 +104,18 @@ def block_rows(model, module, ids: torch.Tensor, starts: torch.Tensor, tables: t
 def markov_logits(module, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """base [..., vocab] U_k, prev [...] the previous tokens -> U_k + W2 W1[prev], fp32 [..., vocab]."""
     return base.float() + module.markov_bias(prev).float()
+
+
+def markov_walk(module, blk: DSparkBlock, anchors: torch.Tensor):
+    """The Markov head left to right, greedy. -> (tokens [B, gamma + 1]: the anchor, then the
+    drafts; logits [B, gamma, V] fp32)."""
+    prev, toks, logits = anchors, [anchors], []
+    for k in range(module.block_size):
+        lk = markov_logits(module, blk.base[:, k], prev)  # [B, V]
+        prev = lk.argmax(-1)
+        logits.append(lk)
+        toks.append(prev)
+    return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
 def confidences(module, hidden: torch.Tensor, prev: torch.Tensor, temperature=None) -> torch.Tensor:

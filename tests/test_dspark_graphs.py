@@ -1,0 +1,206 @@
+"""A DSpark draft's device half at a fixed shape, and its capture per batch bucket
+(drafters/dspark_graphs.py).
+
+* the padded backbone pass (contexts padded to the window, padded_block_index) lists exactly the
+  keys of the packed one and computes the same block;
+* fixed_draft reads nothing from the host (forbid_host_sync, HostReadCounter) and runs on the
+  meta device (no host tensor meets a device one);
+* DraftGraphs captures once per bucket and its replays equal fixed_draft run eagerly on the
+  bucket's padded inputs, round after round; the drafter drafts through it in generate_batch,
+  whose greedy output stays Hugging Face's.
+
+The capture is executor/graphs.py's contract: on CPU its eager stand-in (replay reruns the draft
+into the static outputs), on a CUDA device (DSV4_TREE_GPU=1, scripts/gpu_check) a real CUDA
+graph, where the replay must equal the eager stand-in's result bit for bit (both run the same
+kernels at the same shapes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_tree as dt
+from dsv4_tree.diagnostics import HostReadCounter, forbid_host_sync
+from dsv4_tree.drafters.base import TreeShape
+from dsv4_tree.drafters.dspark import DSparkDrafter
+from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
+from dsv4_tree.drafters.dspark_graphs import DraftGraphs, fixed_draft, padded_block
+from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, padded_block_index
+from dsv4_tree.errors import ConfigError
+from dsv4_tree.executor.graphs import cuda_capture, eager_capture
+from dsv4_tree.train.corpus import heldout_prompt
+from test_device import NoHostTensorsInDeviceOps
+
+SHAPES = {"chain": TreeShape(1, 5, 6), "tree": TreeShape(4, 5, 8)}
+# fp32 packed vs padded: the same keys, the padded rows' logits at -inf (exact zeros); only the
+# reductions' blocking over a wider row differs, a few ulps per layer through two stages
+REL_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return dt.load_model(dt.trained_checkpoint())
+
+
+def _engine(model, shape: TreeShape, **spec):
+    return dt.Engine(model, dt.SpecConfig(eagle_topk=shape.topk, num_steps=shape.num_steps,
+                                          num_draft_tokens=shape.num_draft_tokens, draft_depth="fixed",
+                                          max_requests=8, **spec))
+
+
+def _inputs(model, module, lengths_of_prompts: list):
+    """Prefilled requests with their DSpark contexts brought up -> (requests, contexts)."""
+    eng = _engine(model, SHAPES["chain"])
+    eng.register_drafter(DSparkDrafter(model, SHAPES["chain"], module=module))
+    reqs = eng.prefill_batch([heldout_prompt(n, 50 + i) for i, n in enumerate(lengths_of_prompts)])
+    contexts = [DSparkContext.empty(model, module) for _ in reqs]
+    bring_up(model, module, contexts, reqs)
+    return reqs, contexts
+
+
+def test_the_padded_block_lists_the_packed_keys_and_computes_the_same_block(trained):
+    model = trained
+    module = DSparkDrafter(model, SHAPES["chain"]).module
+    w, rows = model.window, module.settings.block_rows
+    reqs, contexts = _inputs(model, module, [5, 40, 130])  # short, mid, past the window
+    contexts.insert(1, DSparkContext.empty(model, module))  # a request with no context yet
+    reqs.insert(1, reqs[0])
+    lengths = [c.tables.shape[1] for c in contexts]
+    assert lengths[0] < lengths[2] < lengths[3] == w and lengths[1] == 0
+    packed_index = block_index(torch.tensor(lengths), rows)
+    tables, got = pack_contexts(contexts, w)
+    assert got == lengths and tuple(tables.shape) == (module.settings.num_stages, len(lengths) * w, model.config.head_dim)
+    index = padded_block_index(torch.tensor(lengths), rows, w)
+    assert tuple(index.shape) == (len(lengths) * rows, w + rows)
+    # the same keys, as table rows: padded id -> (request, row) -> packed id
+    offsets = [sum(lengths[:b]) for b in range(len(lengths))]
+    b_total = len(lengths)
+
+    def as_packed(i: int) -> int:
+        if i < 0:
+            return -1
+        if i >= b_total * w:  # a block row
+            return sum(lengths) + (i - b_total * w)
+        b, j = divmod(i, w)
+        assert j < lengths[b], f"padded index {i} lists an empty slot of request {b}"
+        return offsets[b] + j
+
+    for r in range(index.shape[0]):
+        want = sorted(x for x in packed_index[r].tolist() if x >= 0)
+        assert sorted(as_packed(x) for x in index[r].tolist() if x >= 0) == want, f"block row {r}"
+    anchors = torch.tensor([17, 0, 101, 33])
+    starts = torch.tensor([r.seq_len for r in reqs])
+    with torch.inference_mode():
+        packed = block_rows(model, module, block_ids(module, anchors), starts,
+                            torch.cat([c.tables for c in contexts], 1), packed_index)
+        padded = padded_block(model, module, anchors, starts, tables, torch.tensor(lengths), w)
+    for name in ("base", "hidden"):
+        a, b = getattr(packed, name), getattr(padded, name)
+        err = float(((a - b).abs() / a.abs().amax(-1, keepdim=True)).max())
+        assert err <= REL_TOL, f"{name}: padded differs from packed by {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_the_device_draft_reads_nothing_and_runs_on_meta(kind):
+    model = dt.load_model(dt.trained_checkpoint())  # its own: moved to the meta device below
+    model.hf.set_experts_implementation("batched_mm")  # the meta device's grouped GEMM takes bf16 only
+    shape = SHAPES[kind]
+    module = DSparkDrafter(model, shape).module
+    reqs, contexts = _inputs(model, module, [20, 70, 9])
+    tables, lengths = pack_contexts(contexts, model.window)
+    args = (torch.tensor([r.root_token for r in reqs]), torch.tensor([r.seq_len for r in reqs]), tables,
+            torch.tensor(lengths))
+    with torch.inference_mode(), forbid_host_sync(), HostReadCounter() as reads:
+        batch = fixed_draft(model, module, shape, "markov", None, model.window, *args)
+    assert reads.total == 0, dict(reads.by_reason)
+    assert tuple(batch.tokens.shape) == (3, shape.num_draft_tokens) == tuple(batch.parents.shape)
+    assert batch.tokens.is_contiguous() and batch.parents.is_contiguous()  # a graph's static outputs own memory
+    assert [t.tokens.tolist()[0] for t in batch.trees()] == [r.root_token for r in reqs]
+    # the meta device: shapes only; a host read, or a host tensor meeting a device one, raises
+    model.hf.to("meta")
+    module.to("meta")
+    with torch.inference_mode(), NoHostTensorsInDeviceOps():
+        meta = fixed_draft(model, module, shape, "markov", None, model.window, *(a.to("meta") for a in args))
+    assert meta.tokens.device.type == "meta" and tuple(meta.tokens.shape) == tuple(batch.tokens.shape)
+
+
+class CountingCapture:
+    """executor/graphs.py's capture contract, counting captures (eager on CPU, CUDA on a GPU)."""
+
+    def __init__(self, inner):
+        self.inner, self.captures = inner, 0
+
+    def __call__(self, fn):
+        self.captures += 1
+        return self.inner(fn)
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
+    model = trained if device.type == "cpu" else dt.load_model(dt.trained_checkpoint(), device=device)
+    shape = SHAPES[kind]
+    drafter = DSparkDrafter(model, shape)
+    module, w = drafter.module, model.window
+    capture = CountingCapture(cuda_capture if device.type == "cuda" else eager_capture)
+    graphs = DraftGraphs(lambda *a: fixed_draft(model, module, shape, "markov", None, w, *a), w, capture=capture,
+                         max_graphs=2)
+    reqs, contexts = _inputs(model, module, [20, 70, 9, 33, 50])
+    for rnd, pick in enumerate(([0, 1, 2], [3, 1, 0, 4], [2], [4, 3, 2, 1, 0], [1, 2, 3])):
+        ctx = [contexts[i] for i in pick]
+        tables, lengths = pack_contexts(ctx, w)
+        anchors = torch.tensor([(reqs[i].root_token + 7 * rnd) % model.vocab_size for i in pick], device=model.device)
+        starts = torch.tensor([reqs[i].seq_len for i in pick], device=model.device)
+        lengths = torch.tensor(lengths, device=model.device)
+        got = graphs.run(anchors, starts, tables, lengths)
+        # eager, at the bucket's shape: the same requests, then padding requests with no context
+        bp = DraftGraphs.bucket(len(pick))
+        pad = bp - len(pick)
+        with torch.inference_mode():
+            want = fixed_draft(model, module, shape, "markov", None, w,
+                               torch.cat([anchors, anchors.new_zeros(pad)]), torch.cat([starts, starts.new_zeros(pad)]),
+                               torch.cat([tables, tables.new_zeros(tables.shape[0], pad * w, tables.shape[2])], 1),
+                               torch.cat([lengths, lengths.new_zeros(pad)]))
+        assert torch.equal(got.tokens, want.tokens[: len(pick)]), f"round {rnd}: replayed tokens differ"
+        assert torch.equal(got.parents, want.parents[: len(pick)]), f"round {rnd}: replayed parents differ"
+    # buckets 4, 4, 1, 8, 4 with two graphs held: 4 captured, 1, 8 (4 dropped), 4 again
+    assert capture.captures == 4 and sorted(graphs.graphs) == [4, 8]
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_a_captured_drafter_drafts_as_the_eager_one_and_generates_hugging_faces_output(trained, kind, device):
+    model = trained if device.type == "cpu" else dt.load_model(dt.trained_checkpoint(), device=device)
+    shape = SHAPES[kind]
+    prompts = [heldout_prompt(64, 10 + s) for s in range(3)]
+    runs = {}
+    for name, graphs in (("eager stand-in", eager_capture), ("captured", device.type == "cuda" or eager_capture)):
+        eng = _engine(model, shape)
+        drafter = DSparkDrafter(model, shape, graphs=graphs)
+        seen = []
+        real = drafter.graphs.run
+        drafter.graphs.run = lambda *a: seen.append(1) or real(*a)
+        outs = eng.generate_batch(prompts, 16, drafter=drafter, progress=False)
+        rounds = max(o.stats.rounds for o in outs)
+        assert len(seen) == rounds, f"{name}: {len(seen)} replays in {rounds} rounds"  # every round replayed
+        assert 4 in drafter.graphs.graphs and set(drafter.graphs.graphs) <= {1, 2, 4}, sorted(drafter.graphs.graphs)
+        runs[name] = [(o.tokens, o.stats.accept_lengths) for o in outs]
+    assert runs["captured"] == runs["eager stand-in"]
+    hf = dt.load_model(dt.trained_checkpoint()).hf
+    for p, (tokens, _) in zip(prompts, runs["captured"]):
+        assert tokens == hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+
+
+def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
+    with pytest.raises(ConfigError, match="graphs=True captures drafts in CUDA graphs; the model is on cpu"):
+        DSparkDrafter(trained, SHAPES["chain"], graphs=True)
+    with pytest.raises(ConfigError, match="graphs must be True, False or a capture function, got 'yes'"):
+        DSparkDrafter(trained, SHAPES["chain"], graphs="yes")
+    # captured drafts are greedy, fixed-size and unrecorded: the others run eagerly
+    shape = SHAPES["tree"]
+    eng = _engine(model := trained, shape)
+    drafter = DSparkDrafter(model, shape, graphs=eager_capture, record=True)
+    assert not drafter._replays(eng, "fixed", 3)
+    drafter = DSparkDrafter(model, shape, graphs=eager_capture)
+    assert drafter._replays(eng, "fixed", 8) and not drafter._replays(eng, "fixed", 9)  # max_requests 8
+    assert not drafter._replays(eng, "adaptive", 3)
+    drafter.set_sampling(1.0)
+    assert not drafter._replays(eng, "fixed", 3)
+    assert not drafter._replays(_engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
