@@ -240,6 +240,7 @@ _HOST_READING = {
     "aten._unique2": "output shape depends on tensor values",
     "aten.unique_dim": "output shape depends on tensor values",
     "aten.unique_consecutive": "output shape depends on tensor values",
+    "aten.bincount": "output shape depends on tensor values (its largest one)",
 }
 
 
@@ -274,8 +275,8 @@ class forbid_host_sync(TorchDispatchMode):
     """Raises dsv4_tree.errors.StateError, naming the op, when an op inside the block would make
     the host wait for the device: a scalar read (`aten._local_scalar_dense`, behind `.item()`,
     `int(t)`, `bool(t)`), `aten.equal`, an op whose output shape depends on tensor values
-    (`aten.nonzero`, `masked_select`, boolean-mask indexing or index_put, `unique`, `repeat_interleave`
-    without `output_size`), or a copy from a non-CPU device to the host.
+    (`aten.nonzero`, `masked_select`, boolean-mask indexing or index_put, `unique`, `bincount`,
+    `repeat_interleave` without `output_size`), or a copy from a non-CPU device to the host.
 
     The rule is applied to every tensor whatever its device, so a CPU run already fails where a
     GPU run would stall. Not seen: `Tensor.tolist()` / `.numpy()` of a CPU tensor read memory

@@ -60,6 +60,7 @@ def test_op_counter_grows_with_a_python_loop_but_not_with_a_batched_op():
         ("index", lambda t: t[t > 0]),  # boolean mask: data-dependent shape
         ("index_put", lambda t: t.__setitem__(t > 0, 0.0)),  # t[mask] = 0
         ("unique", lambda t: t.unique()),
+        ("bincount", lambda t: torch.bincount(t.long().clamp(min=0), minlength=8)),  # sized by its largest value
         ("repeat_interleave", lambda t: torch.repeat_interleave(torch.tensor([1, 2]))),
     ],
 )

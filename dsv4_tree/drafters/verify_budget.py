@@ -126,17 +126,16 @@ class NodePick:
 def _ordered(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: float) -> tuple:
     """Every candidate in pick order: (flat indices [R * P], their values float64, eligible:
     worth >= eps and among its request's first `cap` in that order). Fixed shapes."""
-    r, p = values.shape
+    p = values.shape[1]
     order = pick_order(values, depths)
     flat = values.reshape(-1).to(torch.float64)[order]
     req = order // p
     # each candidate's rank within its own request in pick order: a stable sort by request, then
-    # the position within that request's run
+    # the position within that request's run (every request has P candidates: its run starts at
+    # r * P; a bincount would size its output from the largest value, a host read on a GPU)
     by_req = torch.argsort(req, stable=True)
-    counts = torch.bincount(req, minlength=r)
-    starts = torch.cumsum(counts, 0) - counts
     ar = torch.arange(order.numel(), device=values.device)
-    rank = torch.empty_like(order).scatter_(0, by_req, ar - starts[req[by_req]])
+    rank = torch.empty_like(order).scatter_(0, by_req, ar - req[by_req] * p)
     return order, flat, (flat >= eps) & (rank < cap)
 
 
