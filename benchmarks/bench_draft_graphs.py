@@ -1,7 +1,8 @@
 """A DSpark draft eager against its captured replay (drafters/dspark_graphs.py), per batch size.
 
-On the shipped checkpoint, greedy, fixed-size DSpark drafts (the chain: gamma + 1 nodes; the
-Markov tree: topk 4, gamma steps, 8 nodes), generate_batch over held-out prompts at each batch
+On the shipped checkpoint, greedy DSpark drafts (the fixed chain: gamma + 1 nodes; the fixed
+Markov tree: topk 4, gamma steps, 8 nodes; the budgeted tree: topk 4, at most 16 nodes, priced
+by a fixed cost table, PRICES, so both runs buy alike), generate_batch over held-out prompts at each batch
 size, twice per repetition: the drafter eager (graphs=False) and captured (graphs=True on CUDA:
 one CUDA graph per batch bucket; on CPU, --device cpu, executor/graphs.py's eager stand-in, which
 rehearses the path and measures nothing of a graph). Reported per case and batch size: draft ms
@@ -23,9 +24,15 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.checkpoint.dspark_names import load_dspark
 from dsv4_tree.drafters.base import TreeShape
+from dsv4_tree.drafters.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.executor.graphs import eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
+
+
+# a fixed price list for the budgeted tree (seconds = base + per node x nodes, by batch size):
+# the same budget rule eager and captured; what it buys changes the verify, not the draft
+PRICES = LineTable((1, 16), (0.01, 0.012), (0.0004, 0.0003), note="bench_draft_graphs' fixed price list")
 
 
 def _sync(device: str) -> None:
@@ -45,15 +52,18 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     model = dt.load_model(dt.trained_checkpoint(), device=args.device, dtype=dtype)
     gamma = load_dspark(model).block_size
-    shapes = {"dspark chain": TreeShape(1, gamma, gamma + 1), "dspark tree (topk 4, 8 nodes)": TreeShape(4, gamma, 8)}
+    shapes = {"dspark chain": (TreeShape(1, gamma, gamma + 1), "fixed"),
+              "dspark tree (topk 4, 8 nodes)": (TreeShape(4, gamma, 8), "fixed"),
+              "dspark tree budgeted (<= 16 nodes)": (TreeShape(4, gamma, 16), "adaptive")}
     captured = True if args.device == "cuda" else eager_capture
     runs = {}
-    for label, shape in shapes.items():
+    for label, (shape, depth) in shapes.items():
         spec = dt.SpecConfig(eagle_topk=shape.topk, num_steps=shape.num_steps, num_draft_tokens=shape.num_draft_tokens,
-                             draft_depth="fixed", max_requests=max(bss))
+                             draft_depth=depth, max_requests=max(bss))
         for mode, graphs in (("eager", False), ("captured", captured)):
             engine = dt.Engine(model, spec)
-            runs[label, mode] = (engine, DSparkDrafter(model, shape, graphs=graphs))
+            runs[label, mode] = (engine, DSparkDrafter(model, shape, graphs=graphs,
+                                                       cost_table=PRICES if depth == "adaptive" else None))
     prompts = [heldout_prompt(96, s) for s in range(max(bss))]
     warm = [heldout_prompt(96, 300 + s) for s in range(max(bss))]
     for (label, mode), (engine, drafter) in runs.items():

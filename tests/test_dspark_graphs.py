@@ -7,7 +7,10 @@
   meta device (no host tensor meets a device one);
 * DraftGraphs captures once per bucket and its replays equal fixed_draft run eagerly on the
   bucket's padded inputs, round after round; the drafter drafts through it in generate_batch,
-  whose greedy output stays Hugging Face's.
+  whose greedy output stays Hugging Face's;
+* the budgeted tree (budget_draft, a cost table) reads nothing either, and at a full bucket its
+  replay is the eager drafter's budget_trees bit for bit (trees, budget, table choice, valued
+  pool), with the prior and with a fitted value model.
 
 The capture is executor/graphs.py's contract: on CPU its eager stand-in (replay reruns the draft
 into the static outputs), on a CUDA device (DSV4_TREE_GPU=1, scripts/gpu_check) a real CUDA
@@ -23,10 +26,13 @@ from dsv4_tree.diagnostics import HostReadCounter, forbid_host_sync
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
-from dsv4_tree.drafters.dspark_graphs import DraftGraphs, fixed_draft, padded_block
+from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.drafters.dspark_graphs import DraftGraphs, budget_draft, fixed_draft, padded_block, table_seconds
+from dsv4_tree.drafters.node_values import ValueModel
 from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, padded_block_index
 from dsv4_tree.errors import ConfigError
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
+from dsv4_tree.tree.tree_batch import TreeBatch
 from dsv4_tree.train.corpus import heldout_prompt
 from test_device import NoHostTensorsInDeviceOps
 
@@ -141,8 +147,8 @@ def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
     drafter = DSparkDrafter(model, shape)
     module, w = drafter.module, model.window
     capture = CountingCapture(cuda_capture if device.type == "cuda" else eager_capture)
-    graphs = DraftGraphs(lambda *a: fixed_draft(model, module, shape, "markov", None, w, *a), w, capture=capture,
-                         max_graphs=2)
+    graphs = DraftGraphs(lambda key, *a: fixed_draft(model, module, shape, "markov", None, w, *a), w,
+                         capture=capture, max_graphs=2)
     reqs, contexts = _inputs(model, module, [20, 70, 9, 33, 50])
     for rnd, pick in enumerate(([0, 1, 2], [3, 1, 0, 4], [2], [4, 3, 2, 1, 0], [1, 2, 3])):
         ctx = [contexts[i] for i in pick]
@@ -150,7 +156,8 @@ def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
         anchors = torch.tensor([(reqs[i].root_token + 7 * rnd) % model.vocab_size for i in pick], device=model.device)
         starts = torch.tensor([reqs[i].seq_len for i in pick], device=model.device)
         lengths = torch.tensor(lengths, device=model.device)
-        got = graphs.run(anchors, starts, tables, lengths)
+        out = graphs.run(anchors, starts, tables, lengths)
+        got = TreeBatch(out.tokens[: len(pick)], out.parents[: len(pick)])
         # eager, at the bucket's shape: the same requests, then padding requests with no context
         bp = DraftGraphs.bucket(len(pick))
         pad = bp - len(pick)
@@ -162,7 +169,7 @@ def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
         assert torch.equal(got.tokens, want.tokens[: len(pick)]), f"round {rnd}: replayed tokens differ"
         assert torch.equal(got.parents, want.parents[: len(pick)]), f"round {rnd}: replayed parents differ"
     # buckets 4, 4, 1, 8, 4 with two graphs held: 4 captured, 1, 8 (4 dropped), 4 again
-    assert capture.captures == 4 and sorted(graphs.graphs) == [4, 8]
+    assert capture.captures == 4 and sorted(graphs.graphs) == [(4,), (8,)]
 
 
 @pytest.mark.parametrize("kind", sorted(SHAPES))
@@ -176,11 +183,12 @@ def test_a_captured_drafter_drafts_as_the_eager_one_and_generates_hugging_faces_
         drafter = DSparkDrafter(model, shape, graphs=graphs)
         seen = []
         real = drafter.graphs.run
-        drafter.graphs.run = lambda *a: seen.append(1) or real(*a)
+        drafter.graphs.run = lambda *a, **k: seen.append(1) or real(*a, **k)
         outs = eng.generate_batch(prompts, 16, drafter=drafter, progress=False)
         rounds = max(o.stats.rounds for o in outs)
         assert len(seen) == rounds, f"{name}: {len(seen)} replays in {rounds} rounds"  # every round replayed
-        assert 4 in drafter.graphs.graphs and set(drafter.graphs.graphs) <= {1, 2, 4}, sorted(drafter.graphs.graphs)
+        assert (4, "fixed") in drafter.graphs.graphs and {k[0] for k in drafter.graphs.graphs} <= {1, 2, 4}, \
+            sorted(drafter.graphs.graphs)
         runs[name] = [(o.tokens, o.stats.accept_lengths) for o in outs]
     assert runs["captured"] == runs["eager stand-in"]
     hf = dt.load_model(dt.trained_checkpoint()).hf
@@ -204,3 +212,98 @@ def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
     drafter.set_sampling(1.0)
     assert not drafter._replays(eng, "fixed", 3)
     assert not drafter._replays(_engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
+
+
+TABLE = LineTable((1, 16), (0.01, 0.012), (0.0004, 0.0003), note="a fixed price list for the test")
+BUDGETED = TreeShape(4, 5, 16)
+FITTED = ValueModel((0.2, 1.1, 0.7, 0.3, 0.4))
+
+
+def _budget_engine(model):
+    return dt.Engine(model, dt.SpecConfig(eagle_topk=4, num_steps=5, num_draft_tokens=16, draft_depth="adaptive",
+                                          max_requests=8))
+
+
+def _budget_inputs(model, drafter, reqs, contexts, fitted: bool):
+    """budget_draft's inputs for these requests at their own batch size (no padding)."""
+    tables, lengths = pack_contexts(contexts, model.window)
+    b = len(reqs)
+    pool = BUDGETED.topk + (BUDGETED.num_steps - 1) * BUDGETED.topk ** 2
+    weights = torch.tensor(FITTED.weights if fitted else [0.0] * 5, dtype=torch.float64)
+    return (torch.tensor([r.root_token for r in reqs]), torch.tensor([r.seq_len for r in reqs]), tables,
+            torch.tensor(lengths), torch.tensor(b), table_seconds(TABLE, b, b * pool), weights)
+
+
+@pytest.mark.parametrize("fitted", [False, True])
+def test_the_budgeted_device_draft_reads_nothing_and_runs_on_meta(fitted):
+    model = dt.load_model(dt.trained_checkpoint())  # its own: moved to the meta device below
+    model.hf.set_experts_implementation("batched_mm")
+    drafter = DSparkDrafter(model, BUDGETED, cost_table=TABLE)
+    module = drafter.module
+    reqs, contexts = _inputs(model, module, [20, 70, 9])
+    args = _budget_inputs(model, drafter, reqs, contexts, fitted)
+
+    def run(*a):
+        return budget_draft(model, module, BUDGETED, "markov", None, model.window, BUDGETED.num_draft_tokens - 1,
+                            fitted, *a)
+
+    with torch.inference_mode(), forbid_host_sync(), HostReadCounter() as reads:
+        out = run(*args)
+    assert reads.total == 0, dict(reads.by_reason)
+    counts = out.batch.counts.tolist()
+    assert all(1 <= c <= BUDGETED.num_draft_tokens for c in counts) and int(out.unsettled[0]) == sum(counts) - 3
+    model.hf.to("meta")
+    module.to("meta")
+    with torch.inference_mode(), NoHostTensorsInDeviceOps():
+        meta = run(*(a.to("meta") for a in args))
+    assert meta.batch.tokens.device.type == "meta" and meta.batch.tokens.shape == out.batch.tokens.shape
+
+
+@pytest.mark.parametrize("fitted", [False, True])
+def test_a_captured_budgeted_tree_is_the_eager_one_at_a_full_bucket(trained, fitted):
+    """4 requests fill their bucket: the captured function runs budget_trees' shapes, so every
+    round's trees, budget, cost-table choice and valued pool are the eager drafter's, bit for bit."""
+    prompts = [heldout_prompt(64, 20 + s) for s in range(4)]
+    got = {}
+    for name, graphs in (("eager", False), ("captured", eager_capture)):
+        eng = _budget_engine(trained)
+        drafter = DSparkDrafter(trained, BUDGETED, cost_table=TABLE, graphs=graphs, values=FITTED if fitted else None)
+        eng.register_drafter(drafter)
+        if graphs:
+            replays, real = [], drafter.graphs.run
+            drafter.graphs.run = lambda *a, **k: replays.append(k["key"]) or real(*a, **k)
+        pools, drafted = [], drafter.values.drafted
+        drafter.values.drafted = lambda reqs, tokens, pool: pools.append((tokens, pool)) or drafted(reqs, tokens, pool)
+        reqs = eng.prefill_batch(prompts)
+        rounds = []
+        for _ in range(3):
+            trees = drafter.draft(eng, reqs)
+            tokens, pool = pools[-1]
+            rounds.append(([(t.tokens.tolist(), t.parents.tolist()) for t in trees], drafter.policy.last_budget,
+                           drafter.policy.last_choice, tokens.tolist(), pool.values.tolist(), pool.parents.tolist(),
+                           pool.features.tolist(), pool.depths.tolist()))
+            out = eng.verify(reqs, trees)
+            eng.commit(reqs, eng.accept_greedy(reqs, trees, out), out)
+            drafter.end_round(reqs)
+        got[name] = rounds
+        if graphs:
+            assert replays == [("budget", fitted)] * 3, replays
+    assert got["captured"] == got["eager"]
+    assert any(b not in (0, 4 * (BUDGETED.num_draft_tokens - 1)) for _, b, *_ in got["eager"])  # a real choice
+
+
+def test_a_captured_budgeted_drafter_generates_hugging_faces_output(trained, device):
+    model = trained if device.type == "cpu" else dt.load_model(dt.trained_checkpoint(), device=device)
+    prompts = [heldout_prompt(64, 30 + s) for s in range(3)]  # a bucket of 4, one padding request
+    eng = _budget_engine(model)
+    drafter = DSparkDrafter(model, BUDGETED, cost_table=TABLE, graphs=device.type == "cuda" or eager_capture)
+    seen, real = [], drafter.graphs.run
+    drafter.graphs.run = lambda *a, **k: seen.append(k["key"]) or real(*a, **k)
+    outs = eng.generate_batch(prompts, 16, drafter=drafter, progress=False)
+    rounds = max(o.stats.rounds for o in outs)
+    assert len(seen) == rounds and set(seen) == {("budget", False)}, seen  # every round replayed, the prior
+    assert (4, "budget", False) in drafter.graphs.graphs
+    assert any(n > 1 for o in outs for n in o.stats.round_nodes)
+    hf = dt.load_model(dt.trained_checkpoint()).hf
+    for p, o in zip(prompts, outs):
+        assert o.tokens == hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()

@@ -45,14 +45,14 @@ from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, batch_of, budget_trees
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
-from .dspark_graphs import DraftGraphs, fixed_draft, fixed_tree, padded_block
+from .dspark_graphs import DraftGraphs, budget_draft, fixed_draft, fixed_tree, padded_block, table_seconds
 from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .verify_budget import marginal_value
 from .mtp import depth_for
-from .node_values import as_value_model
+from .node_values import FEATURES, PoolValues, as_value_model
 from .sibling_rate import SiblingRate
 from .value_events import ValueLearner
 
@@ -178,10 +178,10 @@ class DSparkDrafter:
             if self.model.device.type != "cuda":
                 raise ConfigError(f"DSparkDrafter graphs=True captures drafts in CUDA graphs; the model is on "
                                   f"{self.model.device} (graphs=False there)")
-            return DraftGraphs(self._fixed, self.model.window)
+            return DraftGraphs(self._captured, self.model.window)
         if not callable(graphs):
             raise ConfigError(f"DSparkDrafter graphs must be True, False or a capture function, got {graphs!r}")
-        return DraftGraphs(self._fixed, self.model.window, capture=graphs)
+        return DraftGraphs(self._captured, self.model.window, capture=graphs)
 
     @property
     def feature_layers(self) -> tuple:
@@ -265,8 +265,10 @@ class DSparkDrafter:
         lengths = torch.tensor(lengths, device=dev)
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
-        if self._replays(engine, size, len(requests)):  # the bucket's captured draft, then the one read
-            trees = self.graphs.run(anchors, starts, tables, lengths).trees()
+        replay = self._replays(engine, size, len(requests))
+        if replay:  # the bucket's captured draft, then the one read
+            trees = (self._replay_fixed if replay == "fixed" else self._replay_budget)(
+                requests, anchors, starts, tables, lengths)
             self._keep(requests, staged)
             return trees
         blk = padded_block(model, module, anchors, starts, tables, lengths, model.window)
@@ -299,17 +301,57 @@ class DSparkDrafter:
         with torch.inference_mode(False):
             return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
 
-    def _replays(self, engine, size: str, b: int) -> bool:
-        """A captured draft serves greedy drafts of a fixed size, unrecorded, in the engine's
-        graphed batches (SpecConfig.cuda_graph_max_bs, else max_requests)."""
-        if self.graphs is None or self.sampling is not None or self.record or size != "fixed":
-            return False
+    def _replays(self, engine, size: str, b: int) -> str | None:
+        """Which captured draft serves this one: "fixed" (greedy, a fixed size), "budget" (greedy,
+        a budgeted tree priced by a cost table, one rank) or None (eager: sampling, recording, a
+        budget learnt online or forced, a budgeted chain, or a batch past the engine's graphed
+        ones, SpecConfig.cuda_graph_max_bs, else max_requests)."""
+        if self.graphs is None or self.sampling is not None or self.record:
+            return None
         limit = engine.spec.cuda_graph_max_bs
-        return b <= (limit if limit is not None else engine.spec.max_requests)
+        if b > (limit if limit is not None else engine.spec.max_requests):
+            return None
+        if size == "fixed":
+            return "fixed"
+        p = self.policy
+        if (self.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None
+                and self.model.ranks is None):
+            return "budget"
+        return None
 
-    def _fixed(self, anchors, starts, tables, lengths) -> TreeBatch:
-        return fixed_draft(self.model, self.module, self.shape, self.branching, self.temperatures, self.model.window,
-                           anchors, starts, tables, lengths)
+    def _captured(self, key, anchors, starts, tables, lengths, *extra):
+        """The function DraftGraphs captures: key ("fixed",) or ("budget", fitted)."""
+        if key[0] == "fixed":
+            return fixed_draft(self.model, self.module, self.shape, self.branching, self.temperatures,
+                               self.model.window, anchors, starts, tables, lengths)
+        return budget_draft(self.model, self.module, self.shape, self.branching, self.temperatures, self.model.window,
+                            self.policy.cap, key[1], anchors, starts, tables, lengths, *extra)
+
+    def _replay_fixed(self, requests, anchors, starts, tables, lengths) -> list:
+        out = self.graphs.run(anchors, starts, tables, lengths, key=("fixed",))
+        b = len(requests)
+        return TreeBatch(out.tokens[:b], out.parents[:b]).trees()
+
+    def _replay_budget(self, requests, anchors, starts, tables, lengths) -> list:
+        """The budgeted tree replayed: the budget's and the learner's host side as budget_trees does it."""
+        b, dev, policy = len(requests), self.model.device, self.policy
+        bp = DraftGraphs.bucket(b)
+        pool = self.shape.topk + (self.shape.num_steps - 1) * self.shape.topk ** 2
+        weights = self.values.model.weights
+        extra = (torch.tensor(b, device=dev), table_seconds(policy.table, b, bp * pool).to(dev),
+                 torch.tensor(weights if weights is not None else [0.0] * len(FEATURES), dtype=torch.float64,
+                              device=dev))
+        out = self.graphs.run(anchors, starts, tables, lengths, extra=extra, key=("budget", weights is not None))
+        batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
+        trees, settled = batch.trees_and(out.unsettled)  # the draft's one read, the budget in it
+        policy.kind = "tree"
+        policy.settle(settled)
+        kept = PoolValues(out.pool.values[:b].clone(), out.pool.depths.clone(), out.pool.parents[:b].clone(),
+                          out.pool.features[:b].clone())
+        self.values.drafted(requests, out.tokens[:b].clone(), kept)
+        policy.drafted(requests, sum(t.num_nodes for t in trees))
+        policy.value_weights = weights
+        return trees
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
         """The Markov tree of every request (module docstring): fixed size, or the batch budget's;

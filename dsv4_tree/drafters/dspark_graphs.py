@@ -8,13 +8,21 @@ TreeBatch from them: one backbone pass, then the Markov walk (a chain) or the Ma
 and organize_draft_results' pick (a tree), every shape fixed by (B, W, the tree shape) and no
 host read (tests/test_dspark_graphs.py runs it under forbid_host_sync and on the meta device).
 
-`DraftGraphs` captures that function once per bucket (B rounded up to a power of two; padding
+`budget_draft` is the budgeted tree's (a cost table, no forced nodes, one rank): the same pass
+and expansion, node values, the batch's pick under one budget and each request's tree, with
+what changes on the host between rounds as three more inputs: the real request count (padding
+requests' candidates are worth 0, so never eligible), the table's seconds at every budget for
+that count (`table_seconds`: theta = tau / seconds, the table's own rule) and the value
+model's weights (a fitted model and the prior are separate graphs).
+
+`DraftGraphs` captures such a function once per bucket (B rounded up to a power of two; padding
 requests have no context and an anchor of 0, their rows attend to their own block only and
 their trees are dropped) and replays it: the inputs are copied into the bucket's static
-buffers, the graph replays, the real rows of its TreeBatch are cloned out. What stays eager:
-bring_up, the packing, and the one host read of the trees. A budgeted or drawn draft is not
-captured (its budget and value model change on the host between rounds, its draws need the
-generator's uniforms): it runs the same padded forward eagerly."""
+buffers, the graph replays, and the caller takes the real rows of its static outputs (valid
+until that bucket's next replay). What stays eager: bring_up, the packing, and the one host read
+of the trees. A drawn draft (sampling) is not captured, its draws need the caller's generator;
+nor is a budget learnt online (its probes are host decisions) or a recorded draft: they run the
+same padded forward eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +33,11 @@ import torch
 from ..executor.graphs import cuda_capture
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.tree_batch import TreeBatch
+from .dspark_budget import batch_of
 from .dspark_rows import block_ids, block_rows, markov_walk, padded_block_index
 from .dspark_tree import expand_markov
+from .node_values import PoolValues, pool_values, share_with
+from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed
 
 MAX_GRAPHS = 8  # captured draft buckets kept at once (least recently used dropped first)
 
@@ -60,6 +71,65 @@ def fixed_draft(model, module, shape, branching: str, temperatures, width: int, 
     return TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous())  # own memory: a graph's static outputs
 
 
+@dataclass
+class BudgetDraft:
+    """A budgeted tree draft's device results, [B, ...] rows first."""
+
+    batch: TreeBatch  # [B, cap + 1] with node counts
+    sel: torch.Tensor  # [B, cap] each tree's pool ids, valid for its first count - 1
+    unsettled: torch.Tensor  # [4] float64: budget, the table's b, seconds, theta (BudgetPolicy.unsettled)
+    tokens: torch.Tensor  # [B, P] the pool's tokens
+    pool: PoolValues
+
+
+class StepTable:
+    """A cost table's seconds at every budget for one round's request count, as a tensor:
+    theta = tau / seconds, what LineTable and SGLang's tables compute from their host numbers."""
+
+    def __init__(self, seconds: torch.Tensor):
+        self.seconds = seconds
+
+    def theta(self, tau: torch.Tensor, num_requests):
+        return tau / self.seconds, self.seconds
+
+
+def table_seconds(table, num_requests: int, budgets: int) -> torch.Tensor:
+    """[budgets + 1] float64 on the host: the table's seconds of a round at budgets 0 .. budgets."""
+    return table.theta(torch.zeros(budgets + 1, dtype=torch.float64), num_requests)[1].to(torch.float64)
+
+
+class _Weights:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def share(self, probs, conf, feats=None):
+        return share_with(self.weights, probs, conf, feats)
+
+
+def budget_draft(model, module, shape, branching: str, temperatures, width: int, cap: int, fitted: bool,
+                 anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                 live: torch.Tensor, seconds: torch.Tensor, weights: torch.Tensor) -> BudgetDraft:
+    """The budgeted tree (module docstring): live 0-dim int64, the real requests (rows first);
+    seconds [B * P + 1] float64 (table_seconds for live requests); weights [F] float64, read when
+    fitted (else the prior)."""
+    blk = padded_block(model, module, anchors, starts, tables, lengths, width)
+    exp = expand_markov(module, blk, anchors, shape.topk, shape.num_steps, branching, temperatures=temperatures)
+    pool = pool_values(exp, _Weights(weights if fitted else None), shape.topk)
+    b = anchors.shape[0]
+    real = torch.arange(b, device=anchors.device) < live
+    values = torch.where(real.unsqueeze(1), pool.values, torch.zeros_like(pool.values))
+    pick = eligible_fixed(values, pool.depths, cap)
+    best, secs, theta = budget_fixed(pick, live, StepTable(seconds))
+    chosen = chosen_fixed(pick, tuple(values.shape), best)
+    tokens = torch.cat([t.reshape(b, -1) for t in exp.token_list], 1)
+    batch, sel = batch_of(anchors, tokens, pool.parents, chosen, cap)
+    f64 = torch.float64
+    unsettled = torch.stack([best.to(f64), best.to(f64), secs.to(f64), theta.to(f64)])
+    own = PoolValues(*(x.contiguous() for x in (pool.values, pool.depths, pool.parents, pool.features)))
+    return BudgetDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
+                       sel.contiguous(), unsettled, tokens.contiguous(), own)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -71,12 +141,14 @@ class _Captured:
     starts: torch.Tensor
     tables: torch.Tensor  # [S, Bp * W, head_dim]
     lengths: torch.Tensor
-    out: TreeBatch  # static outputs the graph writes
+    extra: tuple  # the function's further inputs, each at its bucket shape
+    out: object  # static outputs the graph writes (a TreeBatch, a BudgetDraft)
 
 
 class DraftGraphs:
-    """fn(anchors, starts, tables, lengths) -> TreeBatch, captured per bucket of requests; at most
-    max_graphs buckets are held (the least recently replayed is released first)."""
+    """fn(key, anchors, starts, tables, lengths, *extra) -> static outputs, captured per bucket of
+    requests and key (what else selects the function's form); at most max_graphs graphs are held
+    (the least recently replayed is released first)."""
 
     def __init__(self, fn: Callable, width: int, capture: Callable = cuda_capture, max_graphs: int = MAX_GRAPHS):
         self.fn, self.width, self.capture, self.max_graphs = fn, width, capture, max_graphs
@@ -87,14 +159,17 @@ class DraftGraphs:
         return _pow2(b)
 
     @torch.inference_mode()
-    def run(self, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor) -> TreeBatch:
+    def run(self, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+            extra: tuple = (), key: tuple = ()):
+        """-> the bucket's static outputs after the replay: rows [:B] are the batch's (extra: the
+        further inputs, already at the bucket's shapes)."""
         b = anchors.shape[0]
         bp = self.bucket(b)
-        cap = self.graphs.pop(bp, None)
+        cap = self.graphs.pop((bp, *key), None)
         if cap is None:
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))
-            cap = self._capture(bp, tables)
+            cap = self._capture(bp, tables, extra, key)
         cap.anchors.zero_()
         cap.starts.zero_()
         cap.lengths.zero_()  # padding requests: no context
@@ -102,15 +177,18 @@ class DraftGraphs:
         cap.starts[:b].copy_(starts, non_blocking=True)
         cap.lengths[:b].copy_(lengths, non_blocking=True)
         cap.tables[:, : b * self.width].copy_(tables, non_blocking=True)
-        self.graphs[bp] = cap  # most recently used last
+        for static, new in zip(cap.extra, extra):
+            static.copy_(new, non_blocking=True)
+        self.graphs[(bp, *key)] = cap  # most recently used last
         cap.replay()
-        return TreeBatch(cap.out.tokens[:b].clone(), cap.out.parents[:b].clone())
+        return cap.out
 
-    def _capture(self, bp: int, like: torch.Tensor) -> _Captured:
+    def _capture(self, bp: int, like: torch.Tensor, extra: tuple, key: tuple) -> _Captured:
         dev = like.device
         anchors = torch.zeros(bp, dtype=torch.int64, device=dev)
         starts = torch.zeros(bp, dtype=torch.int64, device=dev)
         lengths = torch.zeros(bp, dtype=torch.int64, device=dev)
         tables = like.new_zeros(like.shape[0], bp * self.width, like.shape[2])
-        replay, out = self.capture(lambda: self.fn(anchors, starts, tables, lengths))
-        return _Captured(replay, anchors, starts, tables, lengths, out)
+        statics = tuple(e.clone() for e in extra)  # this round's values: the warm-up's and capture's inputs
+        replay, out = self.capture(lambda: self.fn(key, anchors, starts, tables, lengths, *statics))
+        return _Captured(replay, anchors, starts, tables, lengths, statics, out)

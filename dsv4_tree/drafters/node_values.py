@@ -53,6 +53,17 @@ def features(probs: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
                         torch.log(probs.clamp(min=CLIP)), rank0], -1)
 
 
+def share_with(weights: torch.Tensor | None, probs: torch.Tensor, conf: torch.Tensor,
+               feats: torch.Tensor | None = None) -> torch.Tensor:
+    """ValueModel.share with its weights as a float64 tensor [F] on the device (None: the prior):
+    what a captured draft reads from a static buffer."""
+    if weights is None:
+        return prior_share(probs.to(torch.float64), conf.to(torch.float64))
+    f = features(probs, conf) if feats is None else feats
+    g = torch.sigmoid(f @ weights)
+    return g / g.sum(-1, keepdim=True).clamp(min=1.0)
+
+
 @dataclass(frozen=True)
 class ValueModel:
     """g: the prior (weights None) or a fitted logistic (weights in FEATURES' order)."""
@@ -73,11 +84,8 @@ class ValueModel:
     def share(self, probs: torch.Tensor, conf: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
         """[..., K] g of each child of each parent, float64 (feats: `features(probs, conf)` when
         the caller has them already)."""
-        if self.weights is None:
-            return prior_share(probs.to(torch.float64), conf.to(torch.float64))
-        f = features(probs, conf) if feats is None else feats
-        g = torch.sigmoid(f @ torch.tensor(self.weights, dtype=torch.float64, device=f.device))
-        return g / g.sum(-1, keepdim=True).clamp(min=1.0)
+        w = None if self.weights is None else torch.tensor(self.weights, dtype=torch.float64, device=probs.device)
+        return share_with(w, probs, conf, feats)
 
     def to_json(self) -> str:
         return json.dumps({"features": list(FEATURES), "weights": None if self.weights is None else list(self.weights)})
