@@ -1,8 +1,10 @@
-"""A DSpark draft eager against its captured replay (drafters/dspark_graphs.py), per batch size.
+"""Drafts eager against their captured replay (drafters/dspark_graphs.py, drafters/mtp_wave.py),
+per batch size.
 
-On the shipped checkpoint, greedy DSpark drafts (the fixed chain: gamma + 1 nodes; the fixed
-Markov tree: topk 4, gamma steps, 8 nodes; the budgeted tree: topk 4, at most 16 nodes, priced
-by a fixed cost table, PRICES, so both runs buy alike), generate_batch over held-out prompts at each batch
+On the shipped checkpoint, greedy drafts: DSpark's fixed chain (gamma + 1 nodes), fixed Markov
+tree (topk 4, gamma steps, 8 nodes) and budgeted tree (topk 4, at most 16 nodes, priced by a
+fixed cost table, PRICES, so both runs buy alike), and the MTP block's fixed-depth tree (topk 4,
+5 steps, 8 nodes; its steps after the root are what is captured); generate_batch over held-out prompts at each batch
 size, twice per repetition: the drafter eager (graphs=False) and captured (graphs=True on CUDA:
 one CUDA graph per batch bucket; on CPU, --device cpu, executor/graphs.py's eager stand-in, which
 rehearses the path and measures nothing of a graph). Reported per case and batch size: draft ms
@@ -26,6 +28,7 @@ from dsv4_tree.checkpoint.dspark_names import load_dspark
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
+from dsv4_tree.drafters.mtp import MtpDrafter
 from dsv4_tree.executor.graphs import eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
 
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
     gamma = load_dspark(model).block_size
     shapes = {"dspark chain": (TreeShape(1, gamma, gamma + 1), "fixed"),
               "dspark tree (topk 4, 8 nodes)": (TreeShape(4, gamma, 8), "fixed"),
-              "dspark tree budgeted (<= 16 nodes)": (TreeShape(4, gamma, 16), "adaptive")}
+              "dspark tree budgeted (<= 16 nodes)": (TreeShape(4, gamma, 16), "adaptive"),
+              "mtp tree (topk 4, 8 nodes)": (TreeShape(4, 5, 8), "fixed")}
     captured = True if args.device == "cuda" else eager_capture
     runs = {}
     for label, (shape, depth) in shapes.items():
@@ -62,8 +66,9 @@ def main(argv=None) -> int:
                              draft_depth=depth, max_requests=max(bss))
         for mode, graphs in (("eager", False), ("captured", captured)):
             engine = dt.Engine(model, spec)
-            runs[label, mode] = (engine, DSparkDrafter(model, shape, graphs=graphs,
-                                                       cost_table=PRICES if depth == "adaptive" else None))
+            drafter = (MtpDrafter(model, shape, graphs=graphs) if label.startswith("mtp") else
+                       DSparkDrafter(model, shape, graphs=graphs, cost_table=PRICES if depth == "adaptive" else None))
+            runs[label, mode] = (engine, drafter)
     prompts = [heldout_prompt(96, s) for s in range(max(bss))]
     warm = [heldout_prompt(96, 300 + s) for s in range(max(bss))]
     for (label, mode), (engine, drafter) in runs.items():
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU"
     print(f"machine: {machine}; torch {torch.__version__}; {args.dtype}; shipped checkpoint, DSpark gamma {gamma}; "
           f"captured = {'CUDA graphs' if args.device == 'cuda' else 'the eager stand-in (no graph on CPU)'}")
-    print(f"{'case':<32} {'bs':>3} {'eager draft ms':>14} {'captured draft ms':>17} {'eager/captured':>14} "
+    print(f"{'case':<36} {'bs':>3} {'eager draft ms':>14} {'captured draft ms':>17} {'eager/captured':>14} "
           f"{'tok/s eager':>11} {'tok/s captured':>14} {'same tokens':>11}")
     ratios = []
     for label in shapes:
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
                  "draft_eager_over_captured": e["draft_ms_per_round"] / c["draft_ms_per_round"],
                  "tokens_per_s_captured_over_eager": c["tokens_per_s"] / e["tokens_per_s"], "same_tokens": same}
             ratios.append(r)
-            print(f"{label:<32} {bs:>3} {r['eager_draft_ms']:>14.2f} {r['captured_draft_ms']:>17.2f} "
+            print(f"{label:<36} {bs:>3} {r['eager_draft_ms']:>14.2f} {r['captured_draft_ms']:>17.2f} "
                   f"{r['draft_eager_over_captured']:>14.2f} {e['tokens_per_s']:>11.1f} {c['tokens_per_s']:>14.1f} "
                   f"{'yes' if same else 'NO':>11}")
     print(json.dumps({"machine": machine, "torch": torch.__version__, "dtype": args.dtype, "device": args.device,

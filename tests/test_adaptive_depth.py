@@ -7,6 +7,7 @@ import torch
 
 import dsv4_tree as dt
 import dsv4_tree.drafters.mtp as mtp_module
+import dsv4_tree.drafters.mtp_wave as wave_module
 from dsv4_tree.drafters import MtpDrafter, TreeShape
 from dsv4_tree.drafters.depth import DepthPolicy, candidate_depths
 from dsv4_tree.drafters.mtp_rows import MtpRows
@@ -38,7 +39,7 @@ class Clock:
 def priced(monkeypatch, engine, clock, step, verify):
     """Every draft step s >= 1 (a draft_rows pass over `rows` frontier rows) costs step(rows) fake
     seconds and every verify of b requests verify(b)."""
-    real_rows, real_verify = mtp_module.draft_rows, engine.verify
+    real_rows, real_verify = wave_module.draft_rows, engine.verify
 
     def priced_rows(model, mtp, ids, *args, **kwargs):
         clock.t += step(ids.shape[0])
@@ -48,7 +49,7 @@ def priced(monkeypatch, engine, clock, step, verify):
         clock.t += verify(len(reqs))
         return real_verify(reqs, trees, *args, **kwargs)
 
-    monkeypatch.setattr(mtp_module, "draft_rows", priced_rows)
+    monkeypatch.setattr(wave_module, "draft_rows", priced_rows)
     monkeypatch.setattr(engine, "verify", priced_verify)
 
 
@@ -56,8 +57,8 @@ def stops_of(monkeypatch, drafter) -> list:
     """The stop reason of every draft the drafter makes, in order."""
     seen, real = [], drafter.expand
 
-    def expand(requests, depth=None):
-        out = real(requests, depth)
+    def expand(requests, depth=None, graphed=False):
+        out = real(requests, depth, graphed)
         seen.append(drafter.last_round.stop)
         return out
 
@@ -225,16 +226,16 @@ def oracle_head(monkeypatch, drafter, full, margin: float = 8.0) -> None:
     """Confident and right drafts: every draft row's logits become `margin` on the greedy
     continuation at its position (full: prompt ++ greedy output), 0 elsewhere (p ~ 0.92)."""
     current = []
-    real_expand, real_head, real_rows = drafter.expand, mtp_module.head_logits, mtp_module.draft_rows
+    real_expand, real_head, real_rows = drafter.expand, mtp_module.head_logits, wave_module.draft_rows
 
     def peaked(positions, logits):
         out = torch.zeros_like(logits)
         out[torch.arange(len(positions)), full[positions.cpu() + 1]] = margin
         return out
 
-    def expand(requests, depth=None):
+    def expand(requests, depth=None, graphed=False):
         current[:] = [torch.tensor([r.seq_len for r in requests])]  # the root rows' positions
-        return real_expand(requests, depth)
+        return real_expand(requests, depth, graphed)
 
     def head(m, mtp, h):  # step 0 (the root rows)
         return peaked(current[0], real_head(m, mtp, h))
@@ -245,7 +246,7 @@ def oracle_head(monkeypatch, drafter, full, margin: float = 8.0) -> None:
 
     monkeypatch.setattr(drafter, "expand", expand)
     monkeypatch.setattr(mtp_module, "head_logits", head)
-    monkeypatch.setattr(mtp_module, "draft_rows", rows)
+    monkeypatch.setattr(wave_module, "draft_rows", rows)
 
 
 def test_free_steps_and_confident_drafts_run_every_step(trained, monkeypatch):

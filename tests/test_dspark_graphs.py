@@ -5,7 +5,7 @@
   keys of the packed one and computes the same block;
 * fixed_draft reads nothing from the host (forbid_host_sync, HostReadCounter) and runs on the
   meta device (no host tensor meets a device one);
-* DraftGraphs captures once per bucket and its replays equal fixed_draft run eagerly on the
+* the drafter's graphs (executor/graphs.BucketGraphs) capture once per bucket and its replays equal fixed_draft run eagerly on the
   bucket's padded inputs, round after round; the drafter drafts through it in generate_batch,
   whose greedy output stays Hugging Face's;
 * the budgeted tree (budget_draft, a cost table) reads nothing either, and at a full bucket its
@@ -27,12 +27,11 @@ from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
 from dsv4_tree.drafters.cost_table import LineTable
-from dsv4_tree.drafters.dspark_graphs import DraftGraphs, budget_draft, fixed_draft, padded_block, table_seconds
+from dsv4_tree.drafters.dspark_graphs import budget_draft, fixed_draft, padded_block, table_seconds
 from dsv4_tree.drafters.node_values import ValueModel
 from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, padded_block_index
 from dsv4_tree.errors import ConfigError
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
-from dsv4_tree.tree.tree_batch import TreeBatch
 from dsv4_tree.train.corpus import heldout_prompt
 from test_device import NoHostTensorsInDeviceOps
 
@@ -144,11 +143,10 @@ class CountingCapture:
 def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
     model = trained if device.type == "cpu" else dt.load_model(dt.trained_checkpoint(), device=device)
     shape = SHAPES[kind]
-    drafter = DSparkDrafter(model, shape)
-    module, w = drafter.module, model.window
     capture = CountingCapture(cuda_capture if device.type == "cuda" else eager_capture)
-    graphs = DraftGraphs(lambda key, *a: fixed_draft(model, module, shape, "markov", None, w, *a), w,
-                         capture=capture, max_graphs=2)
+    drafter = DSparkDrafter(model, shape, graphs=capture)
+    drafter.graphs.max_graphs = 2
+    module, w = drafter.module, model.window
     reqs, contexts = _inputs(model, module, [20, 70, 9, 33, 50])
     for rnd, pick in enumerate(([0, 1, 2], [3, 1, 0, 4], [2], [4, 3, 2, 1, 0], [1, 2, 3])):
         ctx = [contexts[i] for i in pick]
@@ -156,20 +154,19 @@ def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
         anchors = torch.tensor([(reqs[i].root_token + 7 * rnd) % model.vocab_size for i in pick], device=model.device)
         starts = torch.tensor([reqs[i].seq_len for i in pick], device=model.device)
         lengths = torch.tensor(lengths, device=model.device)
-        out = graphs.run(anchors, starts, tables, lengths)
-        got = TreeBatch(out.tokens[: len(pick)], out.parents[: len(pick)])
+        got = drafter._replay_fixed([reqs[i] for i in pick], anchors, starts, tables, lengths)
         # eager, at the bucket's shape: the same requests, then padding requests with no context
-        bp = DraftGraphs.bucket(len(pick))
+        bp = 1 << (len(pick) - 1).bit_length()
         pad = bp - len(pick)
         with torch.inference_mode():
             want = fixed_draft(model, module, shape, "markov", None, w,
                                torch.cat([anchors, anchors.new_zeros(pad)]), torch.cat([starts, starts.new_zeros(pad)]),
                                torch.cat([tables, tables.new_zeros(tables.shape[0], pad * w, tables.shape[2])], 1),
                                torch.cat([lengths, lengths.new_zeros(pad)]))
-        assert torch.equal(got.tokens, want.tokens[: len(pick)]), f"round {rnd}: replayed tokens differ"
-        assert torch.equal(got.parents, want.parents[: len(pick)]), f"round {rnd}: replayed parents differ"
+        assert [t.host_lists() for t in got] == [(want.tokens[b].tolist(), want.parents[b].tolist())
+                                                 for b in range(len(pick))], f"round {rnd}: replayed trees differ"
     # buckets 4, 4, 1, 8, 4 with two graphs held: 4 captured, 1, 8 (4 dropped), 4 again
-    assert capture.captures == 4 and sorted(graphs.graphs) == [(4,), (8,)]
+    assert capture.captures == 4 and sorted(drafter.graphs.graphs) == [(4, "fixed"), (8, "fixed")]
 
 
 @pytest.mark.parametrize("kind", sorted(SHAPES))

@@ -50,7 +50,8 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     assert all(r["ops"] > 0 and r["verify_ms"] > 0 and r["plan_ms"] > 0 for r in batch["records"])
     assert batch["plan_timer"] in ("engine.plan", "build_plan")
     draft = steps["draft_graph"]["result"]  # the eager stand-in on CPU: same tokens, every case and bs
-    cases = ("dspark chain", "dspark tree (topk 4, 8 nodes)", "dspark tree budgeted (<= 16 nodes)")
+    cases = ("dspark chain", "dspark tree (topk 4, 8 nodes)", "dspark tree budgeted (<= 16 nodes)",
+             "mtp tree (topk 4, 8 nodes)")
     assert {(r["case"], r["bs"]) for r in draft["ratios"]} == {(c, b) for c in cases for b in (1, 2)}
     assert all(r["same_tokens"] for r in draft["ratios"]), draft["ratios"]
     graph = steps["cuda_graph_replay"]

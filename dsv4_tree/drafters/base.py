@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigError, InputError
+from ..executor.graphs import BucketGraphs
 from ..tree.draft_tree import DraftTree
 
 
@@ -28,6 +29,28 @@ class TreeShape:
     @classmethod
     def from_spec(cls, spec) -> "TreeShape":
         return cls(spec.eagle_topk, spec.num_steps, spec.num_draft_tokens)
+
+
+def draft_graphs(model, graphs, fn, who: str):
+    """A drafter's `graphs=` argument -> BucketGraphs of fn, or None: True captures CUDA graphs
+    (a CUDA model only), a callable is a capture function of executor/graphs.py's contract
+    (eager_capture: the same replay path on any device), False / None draft eagerly."""
+    if graphs is False or graphs is None:
+        return None
+    if graphs is True:
+        if model.device.type != "cuda":
+            raise ConfigError(f"{who} graphs=True captures drafts in CUDA graphs; the model is on {model.device} "
+                              "(graphs=False there)")
+        return BucketGraphs(fn)
+    if not callable(graphs):
+        raise ConfigError(f"{who} graphs must be True, False or a capture function, got {graphs!r}")
+    return BucketGraphs(fn, capture=graphs)
+
+
+def graphed_batch(engine, b: int) -> bool:
+    """A batch of b requests is one the engine graphs (SpecConfig.cuda_graph_max_bs, else max_requests)."""
+    limit = engine.spec.cuda_graph_max_bs
+    return b <= (limit if limit is not None else engine.spec.max_requests)
 
 
 def default_tree_nodes(topk: int, steps: int) -> int:

@@ -38,14 +38,15 @@ from ..checkpoint.dspark_names import load_dspark
 from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
+from ..executor.graphs import bucket_of, pad_rows
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from .base import TreeShape
+from .base import TreeShape, draft_graphs, graphed_batch
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, batch_of, budget_trees
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
-from .dspark_graphs import DraftGraphs, budget_draft, fixed_draft, fixed_tree, padded_block, table_seconds
+from .dspark_graphs import budget_draft, fixed_draft, fixed_tree, padded_block, table_seconds
 from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
 from .dspark_rows import confidences, markov_walk
@@ -169,19 +170,7 @@ class DSparkDrafter:
         # per-depth STS temperatures of the confidence head [gamma] (None: 1)
         self.temperatures = (None if confidence_sts is None else
                              torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
-        self.graphs = self._graphs(graphs)
-
-    def _graphs(self, graphs) -> DraftGraphs | None:
-        if graphs is False or graphs is None:
-            return None
-        if graphs is True:
-            if self.model.device.type != "cuda":
-                raise ConfigError(f"DSparkDrafter graphs=True captures drafts in CUDA graphs; the model is on "
-                                  f"{self.model.device} (graphs=False there)")
-            return DraftGraphs(self._captured, self.model.window)
-        if not callable(graphs):
-            raise ConfigError(f"DSparkDrafter graphs must be True, False or a capture function, got {graphs!r}")
-        return DraftGraphs(self._captured, self.model.window, capture=graphs)
+        self.graphs = draft_graphs(model, graphs, self._captured, "DSparkDrafter")
 
     @property
     def feature_layers(self) -> tuple:
@@ -306,10 +295,7 @@ class DSparkDrafter:
         a budgeted tree priced by a cost table, one rank) or None (eager: sampling, recording, a
         budget learnt online or forced, a budgeted chain, or a batch past the engine's graphed
         ones, SpecConfig.cuda_graph_max_bs, else max_requests)."""
-        if self.graphs is None or self.sampling is not None or self.record:
-            return None
-        limit = engine.spec.cuda_graph_max_bs
-        if b > (limit if limit is not None else engine.spec.max_requests):
+        if self.graphs is None or self.sampling is not None or self.record or not graphed_batch(engine, b):
             return None
         if size == "fixed":
             return "fixed"
@@ -320,28 +306,35 @@ class DSparkDrafter:
         return None
 
     def _captured(self, key, anchors, starts, tables, lengths, *extra):
-        """The function DraftGraphs captures: key ("fixed",) or ("budget", fitted)."""
+        """The function the graphs capture: key ("fixed",) or ("budget", fitted)."""
         if key[0] == "fixed":
             return fixed_draft(self.model, self.module, self.shape, self.branching, self.temperatures,
                                self.model.window, anchors, starts, tables, lengths)
         return budget_draft(self.model, self.module, self.shape, self.branching, self.temperatures, self.model.window,
                             self.policy.cap, key[1], anchors, starts, tables, lengths, *extra)
 
+    def _padded(self, bp: int, anchors, starts, tables, lengths) -> tuple:
+        """The four inputs padded to bp requests (padding: anchor 0, no context)."""
+        return (pad_rows(anchors, bp), pad_rows(starts, bp), pad_rows(tables, bp * self.model.window, dim=1),
+                pad_rows(lengths, bp))
+
     def _replay_fixed(self, requests, anchors, starts, tables, lengths) -> list:
-        out = self.graphs.run(anchors, starts, tables, lengths, key=("fixed",))
         b = len(requests)
+        bp = bucket_of(b)
+        out = self.graphs.run(bp, self._padded(bp, anchors, starts, tables, lengths), key=("fixed",))
         return TreeBatch(out.tokens[:b], out.parents[:b]).trees()
 
     def _replay_budget(self, requests, anchors, starts, tables, lengths) -> list:
         """The budgeted tree replayed: the budget's and the learner's host side as budget_trees does it."""
         b, dev, policy = len(requests), self.model.device, self.policy
-        bp = DraftGraphs.bucket(b)
+        bp = bucket_of(b)
         pool = self.shape.topk + (self.shape.num_steps - 1) * self.shape.topk ** 2
         weights = self.values.model.weights
         extra = (torch.tensor(b, device=dev), table_seconds(policy.table, b, bp * pool).to(dev),
                  torch.tensor(weights if weights is not None else [0.0] * len(FEATURES), dtype=torch.float64,
                               device=dev))
-        out = self.graphs.run(anchors, starts, tables, lengths, extra=extra, key=("budget", weights is not None))
+        out = self.graphs.run(bp, self._padded(bp, anchors, starts, tables, lengths) + extra,
+                              key=("budget", weights is not None))
         batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
         trees, settled = batch.trees_and(out.unsettled)  # the draft's one read, the budget in it
         policy.kind = "tree"

@@ -15,22 +15,20 @@ requests' candidates are worth 0, so never eligible), the table's seconds at eve
 that count (`table_seconds`: theta = tau / seconds, the table's own rule) and the value
 model's weights (a fitted model and the prior are separate graphs).
 
-`DraftGraphs` captures such a function once per bucket (B rounded up to a power of two; padding
-requests have no context and an anchor of 0, their rows attend to their own block only and
-their trees are dropped) and replays it: the inputs are copied into the bucket's static
-buffers, the graph replays, and the caller takes the real rows of its static outputs (valid
-until that bucket's next replay). What stays eager: bring_up, the packing, and the one host read
+The drafter captures such a function once per bucket (executor/graphs.BucketGraphs: B rounded
+up to a power of two; padding requests have no context and an anchor of 0, their rows attend to
+their own block only and their trees are dropped) and replays it: the inputs are copied into
+the bucket's static buffers, the graph replays, and the drafter takes the real rows of its
+static outputs. What stays eager: bring_up, the packing, and the one host read
 of the trees. A drawn draft (sampling) is not captured, its draws need the caller's generator;
 nor is a budget learnt online (its probes are host decisions) or a recorded draft: they run the
 same padded forward eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from ..executor.graphs import cuda_capture
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.tree_batch import TreeBatch
 from .dspark_budget import batch_of
@@ -38,9 +36,6 @@ from .dspark_rows import block_ids, block_rows, markov_walk, padded_block_index
 from .dspark_tree import expand_markov
 from .node_values import PoolValues, pool_values, share_with
 from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed
-
-MAX_GRAPHS = 8  # captured draft buckets kept at once (least recently used dropped first)
-
 
 def padded_block(model, module, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
                  lengths: torch.Tensor, width: int):
@@ -128,67 +123,3 @@ def budget_draft(model, module, shape, branching: str, temperatures, width: int,
     own = PoolValues(*(x.contiguous() for x in (pool.values, pool.depths, pool.parents, pool.features)))
     return BudgetDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
                        sel.contiguous(), unsettled, tokens.contiguous(), own)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@dataclass
-class _Captured:
-    replay: Callable
-    anchors: torch.Tensor  # [Bp] static inputs the graph reads
-    starts: torch.Tensor
-    tables: torch.Tensor  # [S, Bp * W, head_dim]
-    lengths: torch.Tensor
-    extra: tuple  # the function's further inputs, each at its bucket shape
-    out: object  # static outputs the graph writes (a TreeBatch, a BudgetDraft)
-
-
-class DraftGraphs:
-    """fn(key, anchors, starts, tables, lengths, *extra) -> static outputs, captured per bucket of
-    requests and key (what else selects the function's form); at most max_graphs graphs are held
-    (the least recently replayed is released first)."""
-
-    def __init__(self, fn: Callable, width: int, capture: Callable = cuda_capture, max_graphs: int = MAX_GRAPHS):
-        self.fn, self.width, self.capture, self.max_graphs = fn, width, capture, max_graphs
-        self.graphs: dict = {}  # padded batch -> _Captured, least recently used first
-
-    @staticmethod
-    def bucket(b: int) -> int:
-        return _pow2(b)
-
-    @torch.inference_mode()
-    def run(self, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-            extra: tuple = (), key: tuple = ()):
-        """-> the bucket's static outputs after the replay: rows [:B] are the batch's (extra: the
-        further inputs, already at the bucket's shapes)."""
-        b = anchors.shape[0]
-        bp = self.bucket(b)
-        cap = self.graphs.pop((bp, *key), None)
-        if cap is None:
-            while len(self.graphs) >= self.max_graphs:
-                self.graphs.pop(next(iter(self.graphs)))
-            cap = self._capture(bp, tables, extra, key)
-        cap.anchors.zero_()
-        cap.starts.zero_()
-        cap.lengths.zero_()  # padding requests: no context
-        cap.anchors[:b].copy_(anchors, non_blocking=True)
-        cap.starts[:b].copy_(starts, non_blocking=True)
-        cap.lengths[:b].copy_(lengths, non_blocking=True)
-        cap.tables[:, : b * self.width].copy_(tables, non_blocking=True)
-        for static, new in zip(cap.extra, extra):
-            static.copy_(new, non_blocking=True)
-        self.graphs[(bp, *key)] = cap  # most recently used last
-        cap.replay()
-        return cap.out
-
-    def _capture(self, bp: int, like: torch.Tensor, extra: tuple, key: tuple) -> _Captured:
-        dev = like.device
-        anchors = torch.zeros(bp, dtype=torch.int64, device=dev)
-        starts = torch.zeros(bp, dtype=torch.int64, device=dev)
-        lengths = torch.zeros(bp, dtype=torch.int64, device=dev)
-        tables = like.new_zeros(like.shape[0], bp * self.width, like.shape[2])
-        statics = tuple(e.clone() for e in extra)  # this round's values: the warm-up's and capture's inputs
-        replay, out = self.capture(lambda: self.fn(key, anchors, starts, tables, lengths, *statics))
-        return _Captured(replay, anchors, starts, tables, lengths, statics, out)

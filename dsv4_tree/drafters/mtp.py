@@ -32,13 +32,14 @@ from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, StateError
 from ..ranks import agree_choice
-from ..tree.build import local_parents, organize_draft_results
+from ..executor.graphs import bucket_of, pad_rows
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from .base import TreeShape
+from .base import TreeShape, draft_graphs, graphed_batch
 from .depth import DepthPolicy, DraftRound
 from .mtp_cache import DraftCache, fold_back, pending_rows, root_step, store_rows, window_index
-from .mtp_rows import MtpRows, draft_kv_rows, draft_rows, head_logits, layer_rows
+from .mtp_rows import MtpRows, draft_kv_rows, head_logits, layer_rows
+from .mtp_wave import Wave, fixed_wave
 
 
 @dataclass
@@ -101,9 +102,12 @@ def depth_for(drafter_depth: str | None, spec, what: str = "MtpDrafter(depth") -
 
 class MtpDrafter:
     def __init__(self, model, shape: TreeShape, mtp: MtpBlock | None = None, record: bool = False,
-                 depth: str | None = None, clock=time.perf_counter):
+                 depth: str | None = None, clock=time.perf_counter, graphs=False):
         """depth: None (follow the drafting engine's SpecConfig.depth_mode: adaptive for trees by
-        default) | "fixed" | "adaptive"; clock: () -> seconds, the adaptive policy's timer."""
+        default) | "fixed" | "adaptive"; clock: () -> seconds, the adaptive policy's timer;
+        graphs: True captures a fixed-depth draft's steps after its root in a CUDA graph per batch
+        bucket and replays them (drafters/mtp_wave.py; a CUDA model only), or a capture function
+        of executor/graphs.py's contract (eager_capture: the same replay path on any device)."""
         if depth is not None and depth not in DRAFT_DEPTHS:
             raise ConfigError(f"MtpDrafter depth must be one of {DRAFT_DEPTHS} or None, got {depth!r}")
         check_topk_vocab(shape.topk, model.vocab_size, "TreeShape.topk")
@@ -120,6 +124,7 @@ class MtpDrafter:
         self.last_round: DraftRound | None = None  # steps the last draft ran, and why it stopped
         self.caches: dict = {}  # request_id -> DraftCache
         self.records: dict = {}  # request_id -> DraftRecord of its last draft (record=True)
+        self.graphs = draft_graphs(model, graphs, self._captured, "MtpDrafter")
 
     def end_round(self, requests, cut=()) -> None:
         """After commit of the last draft's trees: the adaptive policy learns what verify accepted
@@ -173,8 +178,9 @@ class MtpDrafter:
             self.last_round, self._measuring = DraftRound(0, 0, "max"), False
             return [DraftTree.chain([r.root_token]) for r in requests]
         if not any(fresh):
-            return self.expand(requests, depth).trees
-        drafted = iter(self.expand([r for r, f in zip(requests, fresh) if not f], depth).trees)
+            return self.expand(requests, depth, graphed_batch(engine, len(requests))).trees
+        live = [r for r, f in zip(requests, fresh) if not f]
+        drafted = iter(self.expand(live, depth, graphed_batch(engine, len(live))).trees)
         with torch.inference_mode(False):
             return [DraftTree.chain([r.root_token]) if f else next(drafted) for r, f in zip(requests, fresh)]
 
@@ -187,9 +193,11 @@ class MtpDrafter:
         return self.policy if self._measuring else None
 
     @torch.inference_mode()
-    def expand(self, requests, depth: str | None = None) -> DraftExpansion:
+    def expand(self, requests, depth: str | None = None, graphed: bool = False) -> DraftExpansion:
         """One batched expansion. depth: "fixed" | "adaptive"; None: the drafter's own depth, or
-        "fixed" when it follows an engine's spec (expand is given no engine)."""
+        "fixed" when it follows an engine's spec (expand is given no engine); graphed: the batch
+        is one the engine graphs (a fixed-depth draft then replays its bucket's captured wave
+        when the drafter has graphs)."""
         if depth is not None and depth not in DRAFT_DEPTHS:
             raise ConfigError(f"expand depth must be one of {DRAFT_DEPTHS} or None, got {depth!r}")
         k, steps, n = self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens
@@ -212,74 +220,58 @@ class MtpDrafter:
         rows = MtpRows(head_logits(model, self.mtp, h), h[0], kv[e:])
         roots = step.ids[e:]
         seq = step.positions[e:]
+        if graphed and policy is None and not self.record and self.graphs is not None:
+            return self._replay(requests, caches, rows, roots, seq)
         lengths = torch.tensor([c.window.shape[0] for c in caches])  # host: index tables are built there
-        table = torch.cat([c.window for c in caches])
-        m = table.shape[0]
-        steps_rows, step_ids = [rows], [roots]
-        table = torch.cat([table, rows.raw])
-        fscore, ftok = torch.softmax(rows.logits.float(), -1).topk(k, dim=-1)  # [B, K]
-        score_list, token_list = [fscore.view(b, 1, k)], [ftok]
-        parents_list = [torch.arange(-1, k, device=dev).expand(b, k + 1)]
-        src = torch.arange(b, device=dev).unsqueeze(1).expand(b, k)  # frontier's parent row in `rows`
-        anc = (m + src).unsqueeze(2)  # [B, K, s] table ids of each frontier row's ancestors
-        fparent = torch.zeros(b, k, dtype=torch.int64, device=dev)  # frontier's parent in record numbering
-        rec_parents = [torch.full((b, 1), -1, dtype=torch.int64, device=dev)]
+        wave = Wave(rows, roots, seq, torch.cat([c.window for c in caches]), k)
         stop = "max"
         if policy is not None:  # the pool, the frontier and its children's probabilities (device)
-            pool, front, child = [fscore], fscore, fscore
+            pool, front, child = [wave.fscore], wave.fscore, wave.fscore
         for s in range(1, steps):
             if policy is not None:  # the step's one host read: all three in one copy
                 stop = _agreed_stop(model, policy.more(s, *_host_split(torch.cat(pool, 1), front, child)))
                 if stop != "max":
                     break
                 policy.step_begin()
-            t = b * k
-            m = table.shape[0]
-            a = anc.reshape(t, s)
-            if s >= w:  # ancestors that fell out of the window
-                a = torch.where(torch.arange(s, device=dev) > s - w, a, torch.full_like(a, -1))
-            index = torch.cat([window_index(lengths, s, k, w, dev), a, (m + torch.arange(t, device=dev)).unsqueeze(1)], 1)
-            rows = draft_rows(model, self.mtp, ftok.reshape(t), rows.hidden[src.reshape(t)],
-                            (seq + s).repeat_interleave(k), table, index)
-            steps_rows.append(rows)
-            step_ids.append(ftok.reshape(t))
-            rec_parents.append(fparent)
-            table = torch.cat([table, rows.raw])
-            pc, tc = torch.softmax(rows.logits.float(), -1).topk(k, dim=-1)  # [T, K]
-            scores = fscore.unsqueeze(2) * pc.view(b, k, k)
-            flat, tflat = scores.view(b, k * k), tc.view(b, k * k)
-            score_list.append(scores)
-            token_list.append(tflat)
-            chosen = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :k]
-            parents_list.append(chosen + k * k * (s - 1) + k)
-            sel = torch.arange(b, device=dev).unsqueeze(1) * k + chosen // k  # [B, K] rows of this step
-            fscore, ftok = flat.gather(1, chosen), tflat.gather(1, chosen)
-            anc = torch.cat([a[sel.reshape(-1)].view(b, k, s), (m + sel).unsqueeze(2)], 2)
-            src = sel
-            fparent = 1 + (s - 1) * k + chosen // k
+            wave.step(model, self.mtp, s, window_index(lengths, s, k, w, dev))
             if policy is not None:
-                pool.append(flat)
-                front, child = fscore, pc.view(b, k, k).mean(1)
+                pool.append(wave.flat)
+                front, child = wave.fscore, wave.pc.view(b, k, k).mean(1)
                 policy.step_end(b)
-        self.last_round = DraftRound(len(score_list), steps, stop)
+        self.last_round = DraftRound(len(wave.score_list), steps, stop)
         if self.record:
             with torch.inference_mode(False):  # records are the caller's: ordinary tensors
-                self._record(requests, steps_rows, step_ids, rec_parents, k)
-        pool_size = sum(x[0].numel() for x in score_list)
-        org = organize_draft_results(score_list, token_list, parents_list, min(n, pool_size + 1))
-        # the trees build_tree's tensors describe (tests/test_mtp_incremental.py checks the two
-        # agree), straight from the selection: SGLang's masks and links are not needed here
-        parents = local_parents(org.parent_list, org.top_scores_index, k, check=False)
-        tokens = torch.cat([roots.unsqueeze(1), org.draft_tokens], 1)
+                self._record(requests, wave.steps_rows, wave.step_ids, wave.rec_parents, k)
+        batch, org = wave.pick(roots, n)
         if policy is None:
-            trees = TreeBatch(tokens, parents).trees()  # the draft's one host read
+            trees = batch.trees()  # the draft's one host read
         else:  # the selected scores ride in the same read; their depths are the trees' own
-            flat_scores = torch.cat([x.reshape(b, -1) for x in score_list], 1)
-            trees, sel = TreeBatch(tokens, parents).trees_and(flat_scores.gather(1, org.top_scores_index).reshape(-1))
+            flat_scores = torch.cat([x.reshape(b, -1) for x in wave.score_list], 1)
+            trees, sel = batch.trees_and(flat_scores.gather(1, org.top_scores_index).reshape(-1))
             m = org.top_scores_index.shape[1]
             policy.drafted(requests, np.array(sel).reshape(b, m),
                            np.array([t.host_depths[1:] for t in trees], dtype=np.int64).reshape(b, m))
-        return DraftExpansion(score_list, token_list, parents_list, trees)
+        return DraftExpansion(wave.score_list, wave.token_list, wave.parents_list, trees)
+
+    def _captured(self, key, *inputs) -> tuple:
+        """The function the graphs capture: the fixed-depth wave (mtp_wave.fixed_wave)."""
+        return fixed_wave(self.model, self.mtp, self.shape, *inputs)
+
+    def _replay(self, requests, caches, rows: MtpRows, roots, seq) -> DraftExpansion:
+        """Steps 1.. of a fixed-depth draft replayed in the bucket's graph, then the one read."""
+        b, w, dev = len(requests), self.model.window, self.model.device
+        bp = bucket_of(b)
+        windows = torch.zeros(bp * w, *caches[0].window.shape[1:], dtype=caches[0].window.dtype, device=dev)
+        for i, c in enumerate(caches):  # each request's window in its own slot of the bucket
+            windows[i * w : i * w + c.window.shape[0]] = c.window
+        lengths = torch.tensor([c.window.shape[0] for c in caches], device=dev)
+        inputs = (pad_rows(rows.logits, bp), pad_rows(rows.hidden, bp), pad_rows(rows.raw, bp), pad_rows(roots, bp),
+                  pad_rows(seq, bp), windows, pad_rows(lengths, bp))
+        batch, score_list, token_list, parents_list = self.graphs.run(bp, inputs, key=("fixed",))
+        self.last_round = DraftRound(len(score_list), self.shape.num_steps, "max")
+        trees = TreeBatch(batch.tokens[:b], batch.parents[:b]).trees()  # the draft's one host read
+        real = lambda xs: [x[:b] for x in xs]  # noqa: E731
+        return DraftExpansion(real(score_list), real(token_list), real(parents_list), trees)
 
     def _record(self, requests, steps_rows, step_ids, rec_parents, k) -> None:
         for i, req in enumerate(requests):

@@ -104,3 +104,54 @@ class GraphCache:
 
         replay, (tables, out) = self.capture(step)
         return _Captured(replay, inputs, tables, out)
+
+
+def bucket_of(requests: int) -> int:
+    """A batch's bucket: its request count rounded up to a power of two."""
+    return 1 << max(0, requests - 1).bit_length()
+
+
+def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """x with zeros appended along `dim` up to `rows` (a bucket's padding requests)."""
+    pad = rows - x.shape[dim]
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+@dataclass
+class _Bucket:
+    replay: Callable
+    inputs: tuple  # static inputs the graph reads
+    out: object  # static outputs the graph writes
+
+
+class BucketGraphs:
+    """fn(key, *inputs) captured once per (bucket, key) and replayed: a drafter's device half
+    (drafters/dspark_graphs.py, drafters/mtp_graphs.py). The caller pads its inputs to the
+    bucket's shapes (bucket_of, pad_rows) and takes the real rows of the static outputs, valid
+    until that graph's next replay; key names what else selects the function's form. At most
+    max_graphs graphs are held (the least recently replayed is released first)."""
+
+    def __init__(self, fn: Callable, capture: Callable = cuda_capture, max_graphs: int = 8):
+        self.fn, self.capture, self.max_graphs = fn, capture, max_graphs
+        self.graphs: dict = {}  # (bucket, *key) -> _Bucket, least recently used first
+
+    @torch.inference_mode()
+    def run(self, bucket: int, inputs: tuple, key: tuple = ()):
+        name = (bucket, *key)
+        cap = self.graphs.pop(name, None)
+        if cap is None:
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))
+            statics = tuple(x.clone() for x in inputs)  # this round's values: the warm-up's and capture's
+            replay, out = self.capture(lambda: self.fn(key, *statics))
+            cap = _Bucket(replay, statics, out)
+        else:
+            for static, new in zip(cap.inputs, inputs):
+                static.copy_(new, non_blocking=True)
+        self.graphs[name] = cap  # most recently used last
+        cap.replay()
+        return cap.out
