@@ -209,6 +209,11 @@ def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
     drafter.set_sampling(1.0)
     assert not drafter._replays(eng, "fixed", 3)
     assert not drafter._replays(_engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
+    eng.model.ranks = object()  # a sharded model (stands in for a process group): eager drafts
+    try:
+        assert not drafter._replays(eng, "fixed", 3)
+    finally:
+        eng.model.ranks = None
 
 
 TABLE = LineTable((1, 16), (0.01, 0.012), (0.0004, 0.0003), note="a fixed price list for the test")

@@ -48,9 +48,11 @@ def draft_graphs(model, graphs, fn, who: str):
 
 
 def graphed_batch(engine, b: int) -> bool:
-    """A batch of b requests is one the engine graphs (SpecConfig.cuda_graph_max_bs, else max_requests)."""
+    """A draft of b requests may replay a captured one: a batch the engine graphs
+    (SpecConfig.cuda_graph_max_bs, else max_requests), on one rank (a sharded model's draft runs
+    eagerly: its collectives and the budget's broadcast stay out of the drafters' graphs)."""
     limit = engine.spec.cuda_graph_max_bs
-    return b <= (limit if limit is not None else engine.spec.max_requests)
+    return engine.model.ranks is None and b <= (limit if limit is not None else engine.spec.max_requests)
 
 
 def default_tree_nodes(topk: int, steps: int) -> int:

@@ -292,16 +292,14 @@ class DSparkDrafter:
 
     def _replays(self, engine, size: str, b: int) -> str | None:
         """Which captured draft serves this one: "fixed" (greedy, a fixed size), "budget" (greedy,
-        a budgeted tree priced by a cost table, one rank) or None (eager: sampling, recording, a
-        budget learnt online or forced, a budgeted chain, or a batch past the engine's graphed
-        ones, SpecConfig.cuda_graph_max_bs, else max_requests)."""
+        a budgeted tree priced by a cost table) or None (eager: sampling, recording, a budget
+        learnt online or forced, a budgeted chain, or a batch base.graphed_batch refuses)."""
         if self.graphs is None or self.sampling is not None or self.record or not graphed_batch(engine, b):
             return None
         if size == "fixed":
             return "fixed"
         p = self.policy
-        if (self.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None
-                and self.model.ranks is None):
+        if self.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None:
             return "budget"
         return None
 
