@@ -4,7 +4,8 @@
 * the padded backbone pass (contexts padded to the window, padded_block_index) lists exactly the
   keys of the packed one and computes the same block;
 * fixed_draft reads nothing from the host (forbid_host_sync, HostReadCounter) and runs on the
-  meta device (no host tensor meets a device one);
+  meta device as a capture would, after a warm-up: no host read, no host tensor meeting a
+  device one, no copy to the device (rehearse_on_meta);
 * the drafter's graphs (executor/graphs.BucketGraphs) capture once per bucket and its replays equal fixed_draft run eagerly on the
   bucket's padded inputs, round after round; the drafter drafts through it in generate_batch,
   whose greedy output stays Hugging Face's;
@@ -20,20 +21,51 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsv4_tree as dt
 from dsv4_tree.diagnostics import HostReadCounter, forbid_host_sync
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
 from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
 from dsv4_tree.drafters.dspark_graphs import budget_draft, fixed_draft, padded_block, table_seconds
-from dsv4_tree.drafters.node_values import ValueModel
 from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, padded_block_index
+from dsv4_tree.drafters.node_values import ValueModel
 from dsv4_tree.errors import ConfigError
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
 from test_device import NoHostTensorsInDeviceOps
+
+
+class NoCopiesToTheDevice(TorchDispatchMode):
+    """Fails a host-to-device copy: a CUDA graph cannot capture one (a pageable copy is refused
+    during capture, and a replay would not repeat what the host held)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if name == "aten.copy_":
+            src, dst = args[1], args[0].device
+        elif name in ("aten._to_copy", "aten.to"):
+            src, dst = args[0], kwargs.get("device")
+        else:
+            src = dst = None
+        if isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
+            raise AssertionError(f"{func}: a host-to-device copy of shape {tuple(src.shape)} inside a captured function")
+        return func(*args, **kwargs)
+
+
+def rehearse_on_meta(fn, *inputs):
+    """fn(*inputs moved to the meta device) as a capture runs it: once to warm up (caches made
+    per device), then again where a host read, a host tensor meeting a device one, or a copy to
+    the device fails."""
+    meta = tuple(x.to("meta") for x in inputs)
+    with torch.inference_mode():
+        fn(*meta)
+        with forbid_host_sync(), NoHostTensorsInDeviceOps(), NoCopiesToTheDevice():
+            return fn(*meta)
+
 
 SHAPES = {"chain": TreeShape(1, 5, 6), "tree": TreeShape(4, 5, 8)}
 # fp32 packed vs padded: the same keys, the padded rows' logits at -inf (exact zeros); only the
@@ -120,11 +152,10 @@ def test_the_device_draft_reads_nothing_and_runs_on_meta(kind):
     assert tuple(batch.tokens.shape) == (3, shape.num_draft_tokens) == tuple(batch.parents.shape)
     assert batch.tokens.is_contiguous() and batch.parents.is_contiguous()  # a graph's static outputs own memory
     assert [t.tokens.tolist()[0] for t in batch.trees()] == [r.root_token for r in reqs]
-    # the meta device: shapes only; a host read, or a host tensor meeting a device one, raises
+    # the meta device: shapes only
     model.hf.to("meta")
     module.to("meta")
-    with torch.inference_mode(), NoHostTensorsInDeviceOps():
-        meta = fixed_draft(model, module, shape, "markov", None, model.window, *(a.to("meta") for a in args))
+    meta = rehearse_on_meta(lambda *a: fixed_draft(model, module, shape, "markov", None, model.window, *a), *args)
     assert meta.tokens.device.type == "meta" and tuple(meta.tokens.shape) == tuple(batch.tokens.shape)
 
 
@@ -256,8 +287,7 @@ def test_the_budgeted_device_draft_reads_nothing_and_runs_on_meta(fitted):
     assert all(1 <= c <= BUDGETED.num_draft_tokens for c in counts) and int(out.unsettled[0]) == sum(counts) - 3
     model.hf.to("meta")
     module.to("meta")
-    with torch.inference_mode(), NoHostTensorsInDeviceOps():
-        meta = run(*(a.to("meta") for a in args))
+    meta = rehearse_on_meta(run, *args)
     assert meta.batch.tokens.device.type == "meta" and meta.batch.tokens.shape == out.batch.tokens.shape
 
 

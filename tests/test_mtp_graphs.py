@@ -26,7 +26,7 @@ from dsv4_tree.drafters.mtp_wave import fixed_wave, padded_window_index
 from dsv4_tree.errors import ConfigError
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
-from test_device import NoHostTensorsInDeviceOps
+from test_dspark_graphs import rehearse_on_meta
 
 SHAPE = TreeShape(4, 5, 8)
 REL_TOL = 1e-5  # fp32, the same keys in a wider, padded list: a few ulps through one layer and a softmax
@@ -79,8 +79,7 @@ def test_the_captured_wave_reads_nothing_and_runs_on_meta(trained):
     want = fixed_wave(model, drafter.mtp, SHAPE, *inputs)[0]
     model.hf.to("meta")
     drafter.mtp.to("meta")
-    with torch.inference_mode(), NoHostTensorsInDeviceOps():
-        meta = fixed_wave(model, drafter.mtp, SHAPE, *(x.to("meta") for x in inputs))[0]
+    meta = rehearse_on_meta(lambda *a: fixed_wave(model, drafter.mtp, SHAPE, *a), *inputs)[0]
     assert meta.tokens.device.type == "meta" and meta.tokens.shape == want.tokens.shape
 
 
