@@ -49,7 +49,7 @@ def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Te
     -> (top-K probabilities [B, F, K], their tokens [B, F, K], logits [B, F, V] fp32, confidences [B, F])."""
     b, f = tokens.shape
     vocab = base.shape[-1]
-    req = torch.arange(b, device=tokens.device).repeat_interleave(f)  # [B * F]
+    req = torch.arange(b, device=tokens.device).unsqueeze(1).expand(b, f).reshape(-1)  # [B * F], no repeat count op
     tok, on = tokens.reshape(-1), biased.reshape(-1)
     logits = torch.where(on.unsqueeze(1), markov_logits(module, base[req], tok), base[req].float())
     conf = confidences(module, hidden[req], tok, temperature)
