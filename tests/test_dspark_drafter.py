@@ -387,8 +387,9 @@ def test_meta_proxy_features_and_the_dspark_pass_stay_on_device():
     raises): prefill and verify keep the features on the device, commit keeps them there, and
     the context bring-up, backbone pass and Markov / confidence heads run without a host read
     (the drafted tokens' host copy for the trees is the drafter's one synchronisation point)."""
-    from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up
-    from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, confidences, markov_logits
+    from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
+    from dsv4_tree.drafters.dspark_graphs import padded_block
+    from dsv4_tree.drafters.dspark_rows import confidences, markov_logits
     from test_device import NoHostTensorsInDeviceOps, host_acceptance
 
     model = dt.load_model(dt.tiny_checkpoint())
@@ -405,11 +406,10 @@ def test_meta_proxy_features_and_the_dspark_pass_stay_on_device():
         contexts = [DSparkContext.empty(model, module) for _ in reqs]
         for rnd in range(2):  # the pass after prefill, then after a commit
             bring_up(model, module, contexts, reqs)
-            lengths = torch.tensor([c.tables.shape[1] for c in contexts])
+            tables, lengths = pack_contexts(contexts, model.window)
             anchors = torch.tensor([r.root_token for r in reqs], device=model.device)
-            blk = block_rows(model, module, block_ids(module, anchors), torch.tensor([r.seq_len for r in reqs],
-                             device=model.device), torch.cat([c.tables for c in contexts], 1),
-                             block_index(lengths, GAMMA).to(model.device))
+            blk = padded_block(model, module, anchors, torch.tensor([r.seq_len for r in reqs], device=model.device),
+                               tables, torch.tensor(lengths, device=model.device), model.window)
             logits = markov_logits(module, blk.base[:, 0], anchors)
             conf = confidences(module, blk.hidden[:, 0], anchors)
             trees = [dt.DraftTree.chain([r.root_token, 3, 4]) for r in reqs]

@@ -29,8 +29,9 @@ from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.cost_table import LineTable
 from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
-from dsv4_tree.drafters.dspark_graphs import budget_draft, fixed_draft, padded_block, table_seconds
-from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, padded_block_index
+from dsv4_tree.drafters.dspark_graphs import (budget_draft, fixed_draft, padded_block, replay_fixed, replay_form,
+                                              table_seconds)
+from dsv4_tree.drafters.dspark_rows import block_ids, block_rows, padded_block_index
 from dsv4_tree.drafters.node_values import ValueModel
 from dsv4_tree.errors import ConfigError
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
@@ -94,6 +95,18 @@ def _inputs(model, module, lengths_of_prompts: list):
     return reqs, contexts
 
 
+def _packed_index(lengths: list, gamma: int) -> torch.Tensor:
+    """The contexts back to back (no padding), then the B * gamma block rows: each block row's keys,
+    its request's context rows and its own block's rows. -> [B * gamma, max(lengths) + gamma], -1 = none."""
+    width, total = max(lengths), sum(lengths)
+    rows = []
+    for b, n in enumerate(lengths):
+        start = sum(lengths[:b])
+        keys = [start + j for j in range(n)] + [-1] * (width - n) + [total + b * gamma + i for i in range(gamma)]
+        rows += [keys] * gamma
+    return torch.tensor(rows)
+
+
 def test_the_padded_block_lists_the_packed_keys_and_computes_the_same_block(trained):
     model = trained
     module = DSparkDrafter(model, SHAPES["chain"]).module
@@ -103,7 +116,7 @@ def test_the_padded_block_lists_the_packed_keys_and_computes_the_same_block(trai
     reqs.insert(1, reqs[0])
     lengths = [c.tables.shape[1] for c in contexts]
     assert lengths[0] < lengths[2] < lengths[3] == w and lengths[1] == 0
-    packed_index = block_index(torch.tensor(lengths), rows)
+    packed_index = _packed_index(lengths, rows)
     tables, got = pack_contexts(contexts, w)
     assert got == lengths and tuple(tables.shape) == (module.settings.num_stages, len(lengths) * w, model.config.head_dim)
     index = padded_block_index(torch.tensor(lengths), rows, w)
@@ -185,7 +198,7 @@ def test_replays_equal_the_eager_draft_at_the_bucket(trained, kind, device):
         anchors = torch.tensor([(reqs[i].root_token + 7 * rnd) % model.vocab_size for i in pick], device=model.device)
         starts = torch.tensor([reqs[i].seq_len for i in pick], device=model.device)
         lengths = torch.tensor(lengths, device=model.device)
-        got = drafter._replay_fixed([reqs[i] for i in pick], anchors, starts, tables, lengths)
+        got = replay_fixed(drafter, [reqs[i] for i in pick], anchors, starts, tables, lengths)
         # eager, at the bucket's shape: the same requests, then padding requests with no context
         bp = 1 << (len(pick) - 1).bit_length()
         pad = bp - len(pick)
@@ -233,16 +246,16 @@ def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
     shape = SHAPES["tree"]
     eng = _engine(model := trained, shape)
     drafter = DSparkDrafter(model, shape, graphs=eager_capture, record=True)
-    assert not drafter._replays(eng, "fixed", 3)
+    assert not replay_form(drafter, eng, "fixed", 3)
     drafter = DSparkDrafter(model, shape, graphs=eager_capture)
-    assert drafter._replays(eng, "fixed", 8) and not drafter._replays(eng, "fixed", 9)  # max_requests 8
-    assert not drafter._replays(eng, "adaptive", 3)
+    assert replay_form(drafter, eng, "fixed", 8) and not replay_form(drafter, eng, "fixed", 9)  # max_requests 8
+    assert not replay_form(drafter, eng, "adaptive", 3)
     drafter.set_sampling(1.0)
-    assert not drafter._replays(eng, "fixed", 3)
-    assert not drafter._replays(_engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
+    assert not replay_form(drafter, eng, "fixed", 3)
+    assert not replay_form(drafter, _engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
     eng.model.ranks = object()  # a sharded model (stands in for a process group): eager drafts
     try:
-        assert not drafter._replays(eng, "fixed", 3)
+        assert not replay_form(drafter, eng, "fixed", 3)
     finally:
         eng.model.ranks = None
 

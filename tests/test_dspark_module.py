@@ -14,7 +14,9 @@ import torch
 
 from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark, random_model, tiny_config
-from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, confidences, context_rows, markov_logits
+from dsv4_tree.drafters.dspark_graphs import padded_block
+from dsv4_tree.drafters.dspark_rows import confidences, context_rows, markov_logits
+from dsv4_tree.executor.graphs import pack_windows
 from dsv4_tree.model.adapter import Model
 from dsv4_tree.reference import relative_error
 from dsv4_tree.reference.dspark import ref_dspark_block, ref_dspark_chain, ref_target_features
@@ -41,11 +43,10 @@ def _packed_and_reference(model, module, lengths, temperatures=None, seed=0):
     feats = [ref_target_features(model, x[:-1], layers) for x in prompts]
     los = [max(0, p - window) for p in lengths]
     with torch.no_grad():
-        tables = torch.cat([context_rows(model, module, f[lo:], torch.arange(lo, p))
-                            for f, lo, p in zip(feats, los, lengths)], 1)
-        index = block_index(torch.tensor([p - lo for p, lo in zip(lengths, los)]), module.settings.block_rows)
+        tables, kept = pack_windows([context_rows(model, module, f[lo:], torch.arange(lo, p))
+                                     for f, lo, p in zip(feats, los, lengths)], window, dim=1)
         anchors = torch.stack([x[-1] for x in prompts])
-        blk = block_rows(model, module, block_ids(module, anchors), torch.tensor(lengths), tables, index)
+        blk = padded_block(model, module, anchors, torch.tensor(lengths), tables, torch.tensor(kept), window)
         prev = torch.randint(0, v, (len(lengths), gamma), generator=g)
         logits = markov_logits(module, blk.base, prev)
         conf = confidences(module, blk.hidden, prev, temperatures)

@@ -16,8 +16,9 @@ from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.dspark_rows import block_ids, block_index, block_rows, markov_walk
-from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up
+from dsv4_tree.drafters.dspark_graphs import padded_block
+from dsv4_tree.drafters.dspark_rows import markov_walk
+from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
 from dsv4_tree.drafters.dspark_tree import expand_markov
 from dsv4_tree.reference import relative_error
 from dsv4_tree.reference.dspark import ref_dspark_block, ref_dspark_chain, ref_target_features
@@ -140,11 +141,11 @@ def test_k1_expansion_is_the_chain_bitwise(model):
         reqs = eng.prefill_batch(prompts)
         contexts = [DSparkContext.empty(model, module) for _ in reqs]
         bring_up(model, module, contexts, reqs)
-        lengths = torch.tensor([c.tables.shape[1] for c in contexts])
+        tables, lengths = pack_contexts(contexts, model.window)
         anchors = torch.tensor([r.root_token for r in reqs])
         with torch.inference_mode():
-            blk = block_rows(model, module, block_ids(module, anchors), torch.tensor([r.seq_len for r in reqs]),
-                             torch.cat([c.tables for c in contexts], 1), block_index(lengths, GAMMA))
+            blk = padded_block(model, module, anchors, torch.tensor([r.seq_len for r in reqs]), tables,
+                               torch.tensor(lengths), model.window)
             exp = expand_markov(module, blk, anchors, 1, GAMMA, keep_logits=True)
             tokens, logits = markov_walk(module, blk, anchors)
         got = torch.cat([anchors.unsqueeze(1)] + [t.reshape(len(reqs), 1) for t in exp.token_list], 1)

@@ -38,22 +38,22 @@ from ..checkpoint.dspark_names import load_dspark
 from ..checkpoint.dspark_sts import read_sts
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, InputError, StateError
-from ..executor.graphs import bucket_of, pad_rows
+from ..hooks import candidate_pool_size
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from .base import TreeShape, draft_graphs, graphed_batch
+from .base import TreeShape, draft_graphs
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, batch_of, budget_trees
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
-from .dspark_graphs import budget_draft, fixed_draft, fixed_tree, padded_block, table_seconds
+from .dspark_graphs import captured, fixed_tree, padded_block, replay_budget, replay_fixed, replay_form
 from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
 from .depth import candidate_depths
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .verify_budget import marginal_value
 from .mtp import depth_for
-from .node_values import FEATURES, PoolValues, as_value_model
+from .node_values import as_value_model
 from .sibling_rate import SiblingRate
 from .value_events import ValueLearner
 
@@ -108,7 +108,7 @@ def check_chain_shape(shape: TreeShape, gamma: int) -> None:
     """eagle_topk 1: DSpark drafts one chain of gamma tokens per round; K > 1: a Markov tree at most
     gamma deep, of at most its candidate pool + 1 nodes. Other shapes are refused by name."""
     if shape.topk > 1:
-        pool = shape.topk + (shape.num_steps - 1) * shape.topk ** 2
+        pool = candidate_pool_size(shape.topk, shape.num_steps)
         if shape.num_steps > gamma:
             raise ConfigError(f"the DSpark drafter's trees are at most dspark_block_size={gamma} deep: "
                               f"num_steps={shape.num_steps} (needs <= {gamma})")
@@ -138,8 +138,9 @@ class DSparkDrafter:
         (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
         confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
         or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1); graphs: True
-        captures a greedy fixed-size draft's device half in a CUDA graph per batch bucket and
-        replays it (drafters/dspark_graphs.py; a CUDA model only), or a capture function of
+        captures a greedy draft's device half (fixed size, or a budgeted tree priced by a cost
+        table) in a CUDA graph per batch bucket and replays it (drafters/dspark_graphs.py; a
+        CUDA model only), or a capture function of
         executor/graphs.py's contract (eager_capture: the same replay path on any device)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
@@ -170,7 +171,7 @@ class DSparkDrafter:
         # per-depth STS temperatures of the confidence head [gamma] (None: 1)
         self.temperatures = (None if confidence_sts is None else
                              torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
-        self.graphs = draft_graphs(model, graphs, self._captured, "DSparkDrafter")
+        self.graphs = draft_graphs(model, graphs, lambda key, *inputs: captured(self, key, *inputs), "DSparkDrafter")
 
     @property
     def feature_layers(self) -> tuple:
@@ -254,10 +255,9 @@ class DSparkDrafter:
         lengths = torch.tensor(lengths, device=dev)
         anchors = torch.tensor([r.root_token for r in requests], device=dev)
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
-        replay = self._replays(engine, size, len(requests))
-        if replay:  # the bucket's captured draft, then the one read
-            trees = (self._replay_fixed if replay == "fixed" else self._replay_budget)(
-                requests, anchors, starts, tables, lengths)
+        form = replay_form(self, engine, size, len(requests))
+        if form:  # the bucket's captured draft, then the one read
+            trees = (replay_fixed if form == "fixed" else replay_budget)(self, requests, anchors, starts, tables, lengths)
             self._keep(requests, staged)
             return trees
         blk = padded_block(model, module, anchors, starts, tables, lengths, model.window)
@@ -289,60 +289,6 @@ class DSparkDrafter:
             self._measuring = False
         with torch.inference_mode(False):
             return [next(drafted) if r.seq_len > 0 else DraftTree.chain([r.root_token]) for r in requests]
-
-    def _replays(self, engine, size: str, b: int) -> str | None:
-        """Which captured draft serves this one: "fixed" (greedy, a fixed size), "budget" (greedy,
-        a budgeted tree priced by a cost table) or None (eager: sampling, recording, a budget
-        learnt online or forced, a budgeted chain, or a batch base.graphed_batch refuses)."""
-        if self.graphs is None or self.sampling is not None or self.record or not graphed_batch(engine, b):
-            return None
-        if size == "fixed":
-            return "fixed"
-        p = self.policy
-        if self.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None:
-            return "budget"
-        return None
-
-    def _captured(self, key, anchors, starts, tables, lengths, *extra):
-        """The function the graphs capture: key ("fixed",) or ("budget", fitted)."""
-        if key[0] == "fixed":
-            return fixed_draft(self.model, self.module, self.shape, self.branching, self.temperatures,
-                               self.model.window, anchors, starts, tables, lengths)
-        return budget_draft(self.model, self.module, self.shape, self.branching, self.temperatures, self.model.window,
-                            self.policy.cap, key[1], anchors, starts, tables, lengths, *extra)
-
-    def _padded(self, bp: int, anchors, starts, tables, lengths) -> tuple:
-        """The four inputs padded to bp requests (padding: anchor 0, no context)."""
-        return (pad_rows(anchors, bp), pad_rows(starts, bp), pad_rows(tables, bp * self.model.window, dim=1),
-                pad_rows(lengths, bp))
-
-    def _replay_fixed(self, requests, anchors, starts, tables, lengths) -> list:
-        b = len(requests)
-        bp = bucket_of(b)
-        out = self.graphs.run(bp, self._padded(bp, anchors, starts, tables, lengths), key=("fixed",))
-        return TreeBatch(out.tokens[:b], out.parents[:b]).trees()
-
-    def _replay_budget(self, requests, anchors, starts, tables, lengths) -> list:
-        """The budgeted tree replayed: the budget's and the learner's host side as budget_trees does it."""
-        b, dev, policy = len(requests), self.model.device, self.policy
-        bp = bucket_of(b)
-        pool = self.shape.topk + (self.shape.num_steps - 1) * self.shape.topk ** 2
-        weights = self.values.model.weights
-        extra = (torch.tensor(b, device=dev), table_seconds(policy.table, b, bp * pool).to(dev),
-                 torch.tensor(weights if weights is not None else [0.0] * len(FEATURES), dtype=torch.float64,
-                              device=dev))
-        out = self.graphs.run(bp, self._padded(bp, anchors, starts, tables, lengths) + extra,
-                              key=("budget", weights is not None))
-        batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
-        trees, settled = batch.trees_and(out.unsettled)  # the draft's one read, the budget in it
-        policy.kind = "tree"
-        policy.settle(settled)
-        kept = PoolValues(out.pool.values[:b].clone(), out.pool.depths.clone(), out.pool.parents[:b].clone(),
-                          out.pool.features[:b].clone())
-        self.values.drafted(requests, out.tokens[:b].clone(), kept)
-        policy.drafted(requests, sum(t.num_nodes for t in trees))
-        policy.value_weights = weights
-        return trees
 
     def _tree(self, requests, blk, anchors, size: str) -> list:
         """The Markov tree of every request (module docstring): fixed size, or the batch budget's;

@@ -73,9 +73,19 @@ def budget_trees(policy, learner, model, requests, exp, anchors: torch.Tensor, t
     b = anchors.shape[0]
     tokens = torch.cat([t.reshape(b, -1) for t in exp.token_list], 1)
     batch, sel = batch_of(anchors, tokens, pool.parents, chosen, policy.cap)
-    trees, extra = batch.trees_and(policy.unsettled())
+    trees = read_trees(policy, learner, requests, batch, policy.unsettled(), tokens, pool)
+    return trees, [sel[i, : t.num_nodes - 1] for i, t in enumerate(trees)]
+
+
+def read_trees(policy, learner, requests, batch: TreeBatch, unsettled: torch.Tensor, tokens: torch.Tensor,
+               pool) -> list:
+    """A budgeted tree draft's one host read (the budget rides in it: unsettled, [4]) and the
+    host side after it: the policy settles the budget and starts timing the round, the learner
+    keeps the round's pool (tokens [B, P], PoolValues) for its accept events."""
+    trees, extra = batch.trees_and(unsettled)
+    policy.kind = "tree"
     policy.settle(extra)
     learner.drafted(requests, tokens, pool)
     policy.drafted(requests, sum(t.num_nodes for t in trees))
     policy.value_weights = learner.model.weights
-    return trees, [sel[i, : t.num_nodes - 1] for i, t in enumerate(trees)]
+    return trees

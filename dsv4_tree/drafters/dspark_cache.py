@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import StateError
+from ..executor.graphs import pack_windows
 from .dspark_rows import context_rows
 
 
@@ -63,13 +64,4 @@ def pack_contexts(contexts: list, width: int) -> tuple[torch.Tensor, list]:
     """Every request's context padded to `width` rows, back to back: (tables [S, B * width,
     head_dim] (request b's rows first in its slot, zeros after), lengths [B] on the host); the
     keys padded_block_index lists for it."""
-    s, _, d = contexts[0].tables.shape
-    out = contexts[0].tables.new_zeros(s, len(contexts), width, d)
-    lengths = []
-    for b, ctx in enumerate(contexts):
-        w = ctx.tables.shape[1]
-        if w > width:
-            raise StateError(f"a DSpark context holds {w} rows, more than the window {width}")
-        out[:, b, :w] = ctx.tables
-        lengths.append(w)
-    return out.view(s, len(contexts) * width, d), lengths
+    return pack_windows([c.tables for c in contexts], width, dim=1)

@@ -20,7 +20,9 @@ up to a power of two; padding requests have no context and an anchor of 0, their
 their own block only and their trees are dropped) and replays it: the inputs are copied into
 the bucket's static buffers, the graph replays, and the drafter takes the real rows of its
 static outputs. What stays eager: bring_up, the packing, and the one host read
-of the trees. A drawn draft (sampling) is not captured, its draws need the caller's generator;
+of the trees. `replay_form` says which form serves a DSparkDrafter's draft; `replay_fixed` and
+`replay_budget` pad its inputs, replay and read (the budget's host side through
+dspark_budget.read_trees, as the eager budget_trees). A drawn draft (sampling) is not captured, its draws need the caller's generator;
 nor is a budget learnt online (its probes are host decisions) or a recorded draft: they run the
 same padded forward eagerly."""
 from __future__ import annotations
@@ -29,12 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..executor.graphs import pad_rows
+from ..hooks import candidate_pool_size
+from ..serving.buckets import pow2
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.tree_batch import TreeBatch
-from .dspark_budget import batch_of
+from .base import graphed_batch
+from .dspark_budget import batch_of, read_trees
 from .dspark_rows import block_ids, block_rows, markov_walk, padded_block_index
 from .dspark_tree import expand_markov
-from .node_values import PoolValues, pool_values, share_with
+from .node_values import FEATURES, PoolValues, pool_values, share_with
 from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed
 
 def padded_block(model, module, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
@@ -123,3 +129,56 @@ def budget_draft(model, module, shape, branching: str, temperatures, width: int,
     own = PoolValues(*(x.contiguous() for x in (pool.values, pool.depths, pool.parents, pool.features)))
     return BudgetDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
                        sel.contiguous(), unsettled, tokens.contiguous(), own)
+
+
+def replay_form(drafter, engine, size: str, b: int) -> str | None:
+    """Which captured draft serves the DSparkDrafter's draft of b requests at `size`: "fixed"
+    (greedy, a fixed size), "budget" (greedy, a budgeted tree priced by a cost table) or None
+    (eager: no graphs, sampling, recording, a budget learnt online or forced, a budgeted chain, or
+    a batch base.graphed_batch refuses)."""
+    d = drafter
+    if d.graphs is None or d.sampling is not None or d.record or not graphed_batch(engine, b):
+        return None
+    if size == "fixed":
+        return "fixed"
+    p = d.policy
+    if d.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None:
+        return "budget"
+    return None
+
+def captured(drafter, key, anchors, starts, tables, lengths, *extra):
+    """The function a DSparkDrafter's graphs capture: key ("fixed",) or ("budget", fitted)."""
+    d = drafter
+    if key[0] == "fixed":
+        return fixed_draft(d.model, d.module, d.shape, d.branching, d.temperatures, d.model.window,
+                           anchors, starts, tables, lengths)
+    return budget_draft(d.model, d.module, d.shape, d.branching, d.temperatures, d.model.window, d.policy.cap,
+                        key[1], anchors, starts, tables, lengths, *extra)
+
+def _padded(bp: int, width: int, anchors, starts, tables, lengths) -> tuple:
+    """The four inputs padded to bp requests (padding: anchor 0, no context)."""
+    return pad_rows(anchors, bp), pad_rows(starts, bp), pad_rows(tables, bp * width, dim=1), pad_rows(lengths, bp)
+
+def replay_fixed(drafter, requests, anchors, starts, tables, lengths) -> list:
+    """A fixed-size draft replayed in its bucket's graph, then the one read."""
+    b = len(requests)
+    bp = pow2(b)
+    out = drafter.graphs.run(bp, _padded(bp, drafter.model.window, anchors, starts, tables, lengths), key=("fixed",))
+    return TreeBatch(out.tokens[:b], out.parents[:b]).trees()
+
+def replay_budget(drafter, requests, anchors, starts, tables, lengths) -> list:
+    """The budgeted tree replayed in its bucket's graph, then the read and the budget's and the
+    learner's host side as budget_trees does it (read_trees)."""
+    d = drafter
+    b, dev, policy = len(requests), d.model.device, d.policy
+    bp = pow2(b)
+    pool = candidate_pool_size(d.shape.topk, d.shape.num_steps)
+    weights = d.values.model.weights
+    extra = (torch.tensor(b, device=dev), table_seconds(policy.table, b, bp * pool).to(dev),
+             torch.tensor(weights if weights is not None else [0.0] * len(FEATURES), dtype=torch.float64, device=dev))
+    out = d.graphs.run(bp, _padded(bp, d.model.window, anchors, starts, tables, lengths) + extra,
+                       key=("budget", weights is not None))
+    batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
+    kept = PoolValues(out.pool.values[:b].clone(), out.pool.depths.clone(), out.pool.parents[:b].clone(),
+                      out.pool.features[:b].clone())  # static outputs: the next replay overwrites them
+    return read_trees(policy, d.values, requests, batch, out.unsettled, out.tokens[:b].clone(), kept)

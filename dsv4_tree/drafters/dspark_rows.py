@@ -2,7 +2,7 @@
 
 `context_rows` turns target features into every stage's context K=V rows; `block_rows` runs
 the backbone once over all requests' blocks (one pass, every request's rows together), each
-block row's keys listed by `block_index`; `markov_logits` / `confidences` are the heads.
+block row's keys listed by `padded_block_index`; `markov_logits` / `confidences` are the heads.
 Differentiable (no inference mode here): the trainer runs the same functions."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.layer import kv_rows
-from ..diagnostics import host_values
 from ..numerics.hc import hc_head
 from ..numerics.norms import rms_norm
 from ..numerics.rope import apply_rope, rope_pairs, rope_tables
@@ -44,24 +43,12 @@ def context_rows(model, module, features: torch.Tensor, positions: torch.Tensor)
     return torch.stack([kv_rows(stage.self_attn, x, cos, sin, apply_rope) for stage in module.stages])
 
 
-def block_index(lengths: torch.Tensor, gamma: int) -> torch.Tensor:
-    """Keys of every block row: its request's context rows (lengths [B] on the host, laid out
-    back to back from table row 0) and all `gamma` rows of its own block (after the M table rows;
-    gamma: the block's row count, settings.block_rows).
-    -> [B * gamma, max(lengths) + gamma] ids into table ++ block rows, -1 = none."""
-    b = lengths.shape[0]
-    width = int(host_values(lengths).max()) if b else 0
-    offsets = torch.cumsum(lengths, 0) - lengths
-    j = torch.arange(width).unsqueeze(0)
-    ctx = torch.where(j < lengths.unsqueeze(1), offsets.unsqueeze(1) + j, torch.full_like(j, -1))
-    own = int(host_values(lengths).sum()) + torch.arange(b).unsqueeze(1) * gamma + torch.arange(gamma).unsqueeze(0)
-    return torch.cat([ctx, own], 1).repeat_interleave(gamma, dim=0)
-
-
 def padded_block_index(lengths: torch.Tensor, gamma: int, width: int) -> torch.Tensor:
-    """block_index at a fixed shape, on lengths' device (no host read: what a captured draft
-    runs): request b's context at table rows b * width .. b * width + lengths[b] - 1 (contexts
-    padded to `width` rows each, pack_contexts), then the B * gamma block rows.
+    """Keys of every block row: its request's context rows and all `gamma` rows of its own block
+    (gamma: the block's row count, settings.block_rows). At a fixed shape, on lengths' device (no
+    host read: what a captured draft runs): request b's context at table rows b * width ..
+    b * width + lengths[b] - 1 (contexts padded to `width` rows each, pack_contexts), then the
+    B * gamma block rows.
     -> [B * gamma, width + gamma] ids into table ++ block rows, -1 = none."""
     b, dev = lengths.shape[0], lengths.device
     req = torch.arange(b, device=dev).unsqueeze(1)
@@ -84,7 +71,7 @@ def block_ids(module, anchors: torch.Tensor) -> torch.Tensor:
 def block_rows(model, module, ids: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
                index: torch.Tensor) -> DSparkBlock:
     """ids [B, rows] block input ids (block_ids); starts [B] the anchors' positions; tables [S, M,
-    head_dim] context K=V per stage; index [B * rows, K] (block_index). -> DSparkBlock of the gamma
+    head_dim] context K=V per stage; index [B * rows, K] (padded_block_index). -> DSparkBlock of the gamma
     rows that predict (all rows, or rows 1..gamma without sample_from_anchor)."""
     b, gamma = ids.shape
     hf = model.hf.model

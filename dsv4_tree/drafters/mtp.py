@@ -32,7 +32,8 @@ from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, StateError
 from ..ranks import agree_choice
-from ..executor.graphs import bucket_of, pad_rows
+from ..executor.graphs import pack_windows, pad_rows
+from ..serving.buckets import pow2
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .base import TreeShape, draft_graphs, graphed_batch
@@ -260,13 +261,11 @@ class MtpDrafter:
     def _replay(self, requests, caches, rows: MtpRows, roots, seq) -> DraftExpansion:
         """Steps 1.. of a fixed-depth draft replayed in the bucket's graph, then the one read."""
         b, w, dev = len(requests), self.model.window, self.model.device
-        bp = bucket_of(b)
-        windows = torch.zeros(bp * w, *caches[0].window.shape[1:], dtype=caches[0].window.dtype, device=dev)
-        for i, c in enumerate(caches):  # each request's window in its own slot of the bucket
-            windows[i * w : i * w + c.window.shape[0]] = c.window
-        lengths = torch.tensor([c.window.shape[0] for c in caches], device=dev)
+        bp = pow2(b)
+        windows, lengths = pack_windows([c.window for c in caches], w)  # each request's window in its own slot
+        lengths = torch.tensor(lengths, device=dev)
         inputs = (pad_rows(rows.logits, bp), pad_rows(rows.hidden, bp), pad_rows(rows.raw, bp), pad_rows(roots, bp),
-                  pad_rows(seq, bp), windows, pad_rows(lengths, bp))
+                  pad_rows(seq, bp), pad_rows(windows, bp * w), pad_rows(lengths, bp))
         batch, score_list, token_list, parents_list = self.graphs.run(bp, inputs, key=("fixed",))
         self.last_round = DraftRound(len(score_list), self.shape.num_steps, "max")
         trees = TreeBatch(batch.tokens[:b], batch.parents[:b]).trees()  # the draft's one host read

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import StateError
 from ..serving.step import StepShapes, build_from
 from ..serving.tables import VerifyPlan
 from .forward import RowsRun, run_rows
@@ -106,11 +107,6 @@ class GraphCache:
         return _Captured(replay, inputs, tables, out)
 
 
-def bucket_of(requests: int) -> int:
-    """A batch's bucket: its request count rounded up to a power of two."""
-    return 1 << max(0, requests - 1).bit_length()
-
-
 def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
     """x with zeros appended along `dim` up to `rows` (a bucket's padding requests)."""
     pad = rows - x.shape[dim]
@@ -119,6 +115,23 @@ def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def pack_windows(rows: list, width: int, dim: int = 0) -> tuple:
+    """Per-request windows (rows[b]: its w_b <= width rows along `dim`) back to back in slots of
+    `width` rows, zeros after each: (tensor with B * width rows along dim, [w_b] on the host).
+    A fixed shape for any mix of lengths: what a captured draft reads its windows from."""
+    shape = list(rows[0].shape)
+    shape[dim] = len(rows) * width
+    out = rows[0].new_zeros(shape)
+    lengths = []
+    for b, x in enumerate(rows):
+        w = x.shape[dim]
+        if w > width:
+            raise StateError(f"a window of {w} rows does not fit its slot of {width}")
+        out.narrow(dim, b * width, w).copy_(x)
+        lengths.append(w)
+    return out, lengths
 
 
 @dataclass
@@ -130,8 +143,8 @@ class _Bucket:
 
 class BucketGraphs:
     """fn(key, *inputs) captured once per (bucket, key) and replayed: a drafter's device half
-    (drafters/dspark_graphs.py, drafters/mtp_graphs.py). The caller pads its inputs to the
-    bucket's shapes (bucket_of, pad_rows) and takes the real rows of the static outputs, valid
+    (drafters/dspark_graphs.py, drafters/mtp_wave.py). The caller pads its inputs to the
+    bucket's shapes (serving/buckets.pow2 requests; pad_rows, pack_windows) and takes the real rows of the static outputs, valid
     until that graph's next replay; key names what else selects the function's form. At most
     max_graphs graphs are held (the least recently replayed is released first)."""
 

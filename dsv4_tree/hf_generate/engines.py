@@ -16,6 +16,7 @@ from ..config import SpecConfig
 from ..engine import Engine
 from ..hooks import validate_spec
 from ..model.adapter import Model
+from ..serving.buckets import pow2
 from ..serving.pools import Layout
 from ..serving.runtime import make_layout
 
@@ -36,20 +37,16 @@ def holds(layout: Layout, slots: list) -> bool:
     return len(slots) <= layout.max_requests and pages <= layout.num_token_pages
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def pool_spec(hf, spec: SpecConfig, slots: list, kept: Engine | None = None) -> SpecConfig:
     """`spec` with pools that hold these rows at once, and at least the rows of the kept engine
     this replaces: its pool size when that holds them, else their token count rounded up to a
     power of two."""
     old = kept.spec if kept is not None else spec
-    sized = spec.replace(max_requests=max(spec.max_requests, _pow2(len(slots)), old.max_requests),
+    sized = spec.replace(max_requests=max(spec.max_requests, pow2(len(slots)), old.max_requests),
                          max_total_tokens=old.max_total_tokens)
     if holds(make_layout(Model(hf), sized, validate_spec(hf.config, sized)), slots):  # sizes only
         return sized
-    return sized.replace(max_total_tokens=_pow2(sum(slots)))
+    return sized.replace(max_total_tokens=pow2(sum(slots)))
 
 
 def engine_for(hf, spec: SpecConfig, prompts: list, budget: int) -> Engine:

@@ -14,7 +14,8 @@ from .pools import Layout
 from .step import StepShapes
 
 
-def _pow2(n: int, floor: int = 1) -> int:
+def pow2(n: int, floor: int = 1) -> int:
+    """The smallest power of two (at least `floor`) not below n: a bucket's size."""
     p = floor
     while p < n:
         p *= 2
@@ -28,6 +29,6 @@ def step_shapes(sizes, seq_lens, layout: Layout, max_nodes: int | None = None) -
     if max_nodes is None:
         return StepShapes(len(sizes), sum(sizes), max(sizes),
                           tuple((m, max(1, longest // m)) for m in sorted(layout.ratios)))
-    b, ps = _pow2(len(sizes)), layout.page_size
-    context = _pow2(-(-longest // ps)) * ps  # positions of the context bucket
+    b, ps = pow2(len(sizes)), layout.page_size
+    context = pow2(-(-longest // ps)) * ps  # positions of the context bucket
     return StepShapes(b, b * max_nodes, max_nodes, tuple((m, max(1, context // m)) for m in sorted(layout.ratios)))
