@@ -317,8 +317,8 @@ def test_a_captured_budgeted_tree_is_the_eager_one_at_a_full_bucket(trained, fit
         if graphs:
             replays, real = [], drafter.graphs.run
             drafter.graphs.run = lambda *a, **k: replays.append(k["key"]) or real(*a, **k)
-        pools, drafted = [], drafter.values.drafted
-        drafter.values.drafted = lambda reqs, tokens, pool: pools.append((tokens, pool)) or drafted(reqs, tokens, pool)
+        pools, payload = [], drafter.values.payload
+        drafter.values.payload = lambda tokens, pool: pools.append((tokens, pool)) or payload(tokens, pool)
         reqs = eng.prefill_batch(prompts)
         rounds = []
         for _ in range(3):

@@ -79,13 +79,13 @@ def budget_trees(policy, learner, model, requests, exp, anchors: torch.Tensor, t
 
 def read_trees(policy, learner, requests, batch: TreeBatch, unsettled: torch.Tensor, tokens: torch.Tensor,
                pool) -> list:
-    """A budgeted tree draft's one host read (the budget rides in it: unsettled, [4]) and the
-    host side after it: the policy settles the budget and starts timing the round, the learner
-    keeps the round's pool (tokens [B, P], PoolValues) for its accept events."""
-    trees, extra = batch.trees_and(unsettled)
+    """A budgeted tree draft's one host read and the host side after it. The budget (unsettled,
+    [4]) and the learner's copy of the round's pool (tokens [B, P], PoolValues: its accept events
+    after commit) ride in it; the policy settles the budget and starts timing the round."""
+    trees, extra, host = batch.trees_with(unsettled, learner.payload(tokens, pool))
     policy.kind = "tree"
     policy.settle(extra)
-    learner.drafted(requests, tokens, pool)
+    learner.drafted(requests, host)
     policy.drafted(requests, sum(t.num_nodes for t in trees))
     policy.value_weights = learner.model.weights
     return trees

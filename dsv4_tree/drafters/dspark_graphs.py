@@ -179,6 +179,5 @@ def replay_budget(drafter, requests, anchors, starts, tables, lengths) -> list:
     out = d.graphs.run(bp, _padded(bp, d.model.window, anchors, starts, tables, lengths) + extra,
                        key=("budget", weights is not None))
     batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
-    kept = PoolValues(out.pool.values[:b].clone(), out.pool.depths.clone(), out.pool.parents[:b].clone(),
-                      out.pool.features[:b].clone())  # static outputs: the next replay overwrites them
-    return read_trees(policy, d.values, requests, batch, out.unsettled, out.tokens[:b].clone(), kept)
+    rows = PoolValues(out.pool.values[:b], out.pool.depths, out.pool.parents[:b], out.pool.features[:b])
+    return read_trees(policy, d.values, requests, batch, out.unsettled, out.tokens[:b], rows)  # read before the next replay

@@ -39,23 +39,26 @@ class MarkovExpansion:
     logit_list: list = field(default_factory=list)  # [B, V] then [B, K, V] fp32: each depth's parents' child logits (keep_logits)
 
 
-def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased: torch.Tensor,
-              topk: int, temperature=None):
+def _children(module, base: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, biased, topk: int,
+              temperature=None):
     """Child distributions of frontier nodes, at a fixed shape: one bias row, softmax and top-k
     per frontier node (B x F rows; no dedupe of equal tokens, whose rows would be equal anyway:
     a dedupe has a data-dependent shape, which a CUDA graph cannot hold and which reads the host).
-    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), tokens / biased [B, F];
-    temperature: depth k's STS temperature (None: 1).
+    base [B, V] U_k, hidden [B, d] (the confidence input at depth k), both broadcast over the
+    request's F nodes (no per-node copy); tokens [B, F]; biased [B, F] bool, or None: every node
+    biased (branching "markov"); temperature: depth k's STS temperature (None: 1).
     -> (top-K probabilities [B, F, K], their tokens [B, F, K], logits [B, F, V] fp32, confidences [B, F])."""
     b, f = tokens.shape
     vocab = base.shape[-1]
-    req = torch.arange(b, device=tokens.device).unsqueeze(1).expand(b, f).reshape(-1)  # [B * F], no repeat count op
-    tok, on = tokens.reshape(-1), biased.reshape(-1)
-    logits = torch.where(on.unsqueeze(1), markov_logits(module, base[req], tok), base[req].float())
-    conf = confidences(module, hidden[req], tok, temperature)
-    ids = logits.topk(topk, dim=-1).indices
-    probs = torch.softmax(logits, -1).gather(1, ids)
-    return probs.view(b, f, topk), ids.view(b, f, topk), logits.view(b, f, vocab), conf.view(b, f)
+    u = base.float().unsqueeze(1)  # [B, 1, V]
+    logits = u + module.markov_bias(tokens.reshape(-1)).float().view(b, f, vocab)  # markov_logits, broadcast
+    if biased is not None:
+        logits = torch.where(biased.unsqueeze(2), logits, u)
+    conf = confidences(module, hidden.unsqueeze(1).expand(b, f, hidden.shape[-1]), tokens, temperature)
+    rows = logits.view(b * f, vocab)
+    ids = rows.topk(topk, dim=-1).indices
+    probs = torch.softmax(rows, -1).gather(1, ids)
+    return probs.view(b, f, topk), ids.view(b, f, topk), logits, conf.view(b, f)
 
 
 def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_steps: int,
@@ -70,19 +73,19 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
     if not 1 <= num_steps <= gamma:
         raise ConfigError(f"num_steps={num_steps}: a DSpark tree is at most its block size {gamma} deep")
     b, k, dev = anchors.shape[0], topk, anchors.device
-    root = torch.ones(b, 1, dtype=torch.bool, device=dev)
-    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), root, k, temp(0))
+    pc, tc, logits, conf = _children(module, blk.base[:, 0], blk.hidden[:, 0], anchors.unsqueeze(1), None, k, temp(0))
     pc, tc, conf = pc[:, 0], tc[:, 0], conf[:, 0]  # [B, K], [B]
     out = MarkovExpansion([pc.view(b, 1, k)], [tc], [torch.arange(-1, k, device=dev).expand(b, k + 1)],
                           [pc.view(b, 1, k)], [conf])
     if keep_logits:
         out.logit_list.append(logits[:, 0])
     fscore, ftok = pc, tc
-    fspine = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    fspine[:, 0] = True  # the root's rank-0 child: the chain's first draft
+    fspine = None  # "markov": every node biased; "base": the spine's nodes only
+    if branching == "base":
+        fspine = torch.zeros(b, k, dtype=torch.bool, device=dev)
+        fspine[:, 0] = True  # the root's rank-0 child: the chain's first draft
     for s in range(1, num_steps):
-        biased = torch.ones_like(fspine) if branching == "markov" else fspine
-        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, biased, k, temp(s))
+        pc, tc, logits, conf = _children(module, blk.base[:, s], blk.hidden[:, s], ftok, fspine, k, temp(s))
         scores = fscore.unsqueeze(2) * pc  # [B, K, K]
         flat = scores.reshape(b, k * k)
         out.score_list.append(scores)
@@ -93,6 +96,7 @@ def expand_markov(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, nu
             out.logit_list.append(logits)
         chosen = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :k]
         out.parents_list.append(chosen + k * k * (s - 1) + k)
-        fspine = fspine.gather(1, chosen // k) & (chosen % k == 0)
+        if fspine is not None:
+            fspine = fspine.gather(1, chosen // k) & (chosen % k == 0)
         fscore, ftok = flat.gather(1, chosen), tc.reshape(b, k * k).gather(1, chosen)
     return out

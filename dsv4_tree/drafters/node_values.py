@@ -159,11 +159,11 @@ def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
     of ops whatever the depth); only the products walk the depths."""
     b = exp.token_list[0].shape[0]
     dev = exp.token_list[0].device  # on the expansion's device: no host copy
-    probs = torch.cat([x.detach().to(torch.float64).reshape(b, -1, topk) for x in exp.prob_list], 1)  # [B, F, K]
-    confs = torch.cat([x.detach().to(torch.float64).reshape(b, -1) for x in exp.confidence_list], 1)  # [B, F]
+    probs = torch.cat([x.detach().reshape(b, -1, topk) for x in exp.prob_list], 1).to(torch.float64)  # [B, F, K]
+    confs = torch.cat([x.detach().reshape(b, -1) for x in exp.confidence_list], 1).to(torch.float64)  # [B, F]
     f = features(probs, confs)  # [B, F, K, FEATURES]: the fitted g's inputs and the accept events'
     share = model.share(probs, confs, f).reshape(b, -1)  # [B, P]: pool order (parents in order, K children each)
-    vals, depths, parents, at = [], [], [], 0
+    vals, depths, parents, at, prev_at = [], [], [], 0, 0
     for d in range(len(exp.prob_list)):
         width = exp.prob_list[d].reshape(b, -1, topk).shape[1] * topk
         s = share[:, at : at + width]
@@ -171,12 +171,13 @@ def pool_values(exp, model: ValueModel, topk: int) -> PoolValues:
             par = torch.full((b, width), -1, dtype=torch.int64, device=dev)
             v = s
         else:
-            # pool ids of depth d's frontier (organize_draft_results' parents_list: the first holds the root)
+            # pool ids of depth d's frontier (organize_draft_results' parents_list: the first holds the root),
+            # all at depth d - 1: their values are the previous depth's, from its first pool id on
             front = (exp.parents_list[0][:, 1:] if d == 1 else exp.parents_list[d - 1]).detach().long()
             par = front.unsqueeze(2).expand(b, front.shape[1], topk).reshape(b, -1)
-            v = (torch.cat(vals, 1).gather(1, front).unsqueeze(2) * s.view(b, -1, topk)).reshape(b, -1)
+            v = (vals[-1].gather(1, front - prev_at).unsqueeze(2) * s.view(b, -1, topk)).reshape(b, -1)
         vals.append(v)
         parents.append(par)
         depths.append(torch.full((width,), d + 1, dtype=torch.int64, device=dev))
-        at += width
+        prev_at, at = at, at + width
     return PoolValues(torch.cat(vals, 1), torch.cat(depths), torch.cat(parents, 1), f.reshape(b, -1, len(FEATURES)))

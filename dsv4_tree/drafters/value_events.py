@@ -38,6 +38,15 @@ class _Draft:
     depths: np.ndarray  # [P]
     features: np.ndarray  # [B, P, F]
 
+    @classmethod
+    def unpack(cls, request_ids: list, seq_lens: list, host: np.ndarray) -> "_Draft":
+        """ValueLearner.payload's columns, read: [B, (3 + F) P] float64. Depths are the same for
+        every request."""
+        b, f = host.shape[0], len(FEATURES)
+        p = host.shape[1] // (3 + f)
+        return cls(request_ids, seq_lens, host[:, :p].astype(np.int64), host[:, p : 2 * p].astype(np.int64),
+                   host[0, (2 + f) * p :].astype(np.int64), host[:, 2 * p : (2 + f) * p].reshape(b, p, f))
+
 
 @dataclass
 class ValueLearner:
@@ -52,19 +61,28 @@ class ValueLearner:
     fitted_at: int | None = None  # round of the last fit
     _pending: _Draft | None = None
 
-    def drafted(self, requests, tokens, pool: PoolValues) -> None:
-        """The round's pool: tokens [B, P], the PoolValues it was valued with (on the device: read
-        once, after the round, by end_round)."""
-        self._pending = (([r.request_id for r in requests], [r.seq_len for r in requests]), tokens, pool) \
-            if self.learn else None
+    def payload(self, tokens: torch.Tensor, pool: PoolValues) -> torch.Tensor | None:
+        """What the round's draft read brings to the host for this learner (None: not learning):
+        the pool's tokens [B, P], parents, features and depths packed as float64 [B, (3 + F) P]
+        (float64 holds ids and depths exactly), on the pool's device."""
+        if not self.learn:
+            return None
+        b, p = tokens.shape
+        return torch.cat([tokens.to(torch.float64), pool.parents.to(torch.float64),
+                          pool.features.reshape(b, -1).to(torch.float64), pool.depths.to(torch.float64).expand(b, p)], 1)
+
+    def drafted(self, requests, host) -> None:
+        """The round's pool as `payload` packed it, read on the host with the draft's trees
+        (numpy [B, (3 + F) P]; None: not learning)."""
+        self._pending = None if host is None or not self.learn else \
+            _Draft.unpack([r.request_id for r in requests], [r.seq_len for r in requests], host)
 
     def end_round(self, requests) -> None:
-        """The round's accept events, from one host read of its pool (after verify and commit:
-        off the draft-verify path), and a refit when one is due."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """The round's accept events from the committed tokens (host history: no device read,
+        the pool came with the draft's read) and a refit when one is due."""
+        pend, self._pending = self._pending, None
+        if pend is None:
             return
-        pend = _host_draft(*pending)
         where = {rid: i for i, rid in enumerate(pend.request_ids)}
         rows, emitted = [], []
         for req in requests:
@@ -94,19 +112,6 @@ class ValueLearner:
             return
         self.model = ValueModel(tuple(float(w) for w in fit_logistic(self.x[:n], self.y[:n])))
         self.fitted_at = self.rounds
-
-
-def _host_draft(keys, tokens, pool: PoolValues) -> _Draft:
-    """The pool's tokens, parents and features in one device-to-host copy (float64 holds ids and
-    depths exactly). Depths are the same for every request."""
-    b, p = tokens.shape
-    f = pool.features.shape[-1]
-    packed = torch.cat([tokens.to(torch.float64), pool.parents.to(torch.float64),
-                        pool.features.reshape(b, p * f).to(torch.float64),
-                        pool.depths.to(torch.float64).expand(b, p)], 1)
-    host = packed.cpu().numpy() if packed.device.type != "cpu" else packed.numpy()
-    return _Draft(keys[0], keys[1], host[:, :p].astype(np.int64), host[:, p : 2 * p].astype(np.int64),
-                  host[0, (2 + f) * p :].astype(np.int64), host[:, 2 * p : (2 + f) * p].reshape(b, p, f))
 
 
 def events(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, feats: np.ndarray, emitted: list):

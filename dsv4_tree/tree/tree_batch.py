@@ -4,12 +4,13 @@ Drafters build their trees batched, at fixed shapes, on the device: row b holds 
 tree, node 0 its root, nodes at or past counts[b] padding (parent -1, token 0). What SGLang's
 kernels read is derived from the same tensors (depth, positions, retrieve_index / next_token /
 next_sibling). `trees()` is the draft's one host read: every row's tokens, parents and count in
-one copy, each row made a DraftTree (DraftTree.made: not re-checked, host lists kept)."""
+one copy, each row made a DraftTree (DraftTree.made: not re-checked, host lists kept);
+`trees_and` / `trees_with` bring what else the host needs of the round in the same copy."""
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import TreeError
@@ -58,26 +59,39 @@ class TreeBatch:
     def trees_and(self, extra: torch.Tensor, draft_probs: torch.Tensor | None = None) -> tuple:
         """(trees, extra's values as Python floats): `extra` [k] float64 (what the drafter decided
         on the device beside the trees, e.g. its budget) rides in the same read, bit for bit."""
-        return self._read(extra, draft_probs)
+        return self._read(extra, draft_probs)[:2]
 
-    def _read(self, extra, draft_probs=None) -> tuple:
+    def trees_with(self, extra: torch.Tensor, payload: torch.Tensor | None) -> tuple:
+        """`trees_and` with a payload [B, W] float64 (None: none) in the same read, e.g. the
+        round's candidate pool for the value learner -> (trees, extra's floats, the payload as a
+        host numpy array [B, W] float64 or None)."""
+        return self._read(extra, None, payload)
+
+    def _read(self, extra, draft_probs=None, payload=None) -> tuple:
         b, n = self.tokens.shape
         cols = [self.tokens, self.parents]
         if self.counts is not None:
             cols.append(self.counts.unsqueeze(1).to(torch.int64))
-        packed = torch.cat(cols, 1).reshape(-1)
-        if extra is not None:  # float64 bits as int64: exact through the one copy
-            packed = torch.cat([packed, extra.to(self.tokens.device, torch.float64).reshape(-1).view(torch.int64)])
-        flat = packed.tolist()
+        parts = [torch.cat(cols, 1).reshape(-1)]
+        for more in (extra, payload):  # float64 bits as int64: exact through the one copy
+            if more is not None:
+                parts.append(more.to(self.tokens.device, torch.float64).reshape(-1).view(torch.int64))
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        host = packed.cpu().numpy() if packed.device.type != "cpu" else packed.numpy()  # the one read
         width = 2 * n + (self.counts is not None)
+        flat = host[: b * width].tolist()
         out = []
         for i in range(b):
             row = flat[i * width : (i + 1) * width]
             c = row[2 * n] if self.counts is not None else n
             out.append(DraftTree.made(row[:c], row[n : n + c], None if draft_probs is None else draft_probs[i, : c - 1]))
-        tail = [] if extra is None else list(struct.unpack(f"<{len(flat) - b * width}d",
-                                                             struct.pack(f"<{len(flat) - b * width}q", *flat[b * width :])))
-        return out, tail
+        at = b * width
+        tail = []
+        if extra is not None:
+            tail = host[at : at + extra.numel()].view(np.float64).tolist()
+            at += extra.numel()
+        rows = None if payload is None else host[at:].view(np.float64).reshape(payload.shape)
+        return out, tail, rows
 
     @classmethod
     def chains(cls, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> "TreeBatch":
