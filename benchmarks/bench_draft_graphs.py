@@ -4,7 +4,9 @@ per batch size.
 On the shipped checkpoint, greedy drafts: DSpark's fixed chain (gamma + 1 nodes), fixed Markov
 tree (topk 4, gamma steps, 8 nodes) and budgeted tree (topk 4, at most 16 nodes, priced by a
 fixed cost table, PRICES, so both runs buy alike), and the MTP block's fixed-depth tree (topk 4,
-5 steps, 8 nodes; its steps after the root are what is captured); generate_batch over held-out prompts at each batch
+5 steps, 8 nodes; its steps after the root are what is captured); sampled (temperature 1, the
+same generator seed in both runs): DSpark's drawn tree under the chain budget (topk 4, at most
+16 nodes, PRICES); generate_batch over held-out prompts at each batch
 size, twice per repetition: the drafter eager (graphs=False) and captured (graphs=True on CUDA:
 one CUDA graph per batch bucket; on CPU, --device cpu, executor/graphs.py's eager stand-in, which
 rehearses the path and measures nothing of a graph). Reported per case and batch size: draft ms
@@ -58,12 +60,14 @@ def main(argv=None) -> int:
     shapes = {"dspark chain": (TreeShape(1, gamma, gamma + 1), "fixed"),
               "dspark tree (topk 4, 8 nodes)": (TreeShape(4, gamma, 8), "fixed"),
               "dspark tree budgeted (<= 16 nodes)": (TreeShape(4, gamma, 16), "adaptive"),
+              "dspark drawn tree budgeted (sampled)": (TreeShape(4, gamma, 16), "adaptive"),
               "mtp tree (topk 4, 8 nodes)": (TreeShape(4, 5, 8), "fixed")}
+    sampled = {"dspark drawn tree budgeted (sampled)"}  # temperature 1, the same generator seed in both runs
     captured = True if args.device == "cuda" else eager_capture
     runs = {}
     for label, (shape, depth) in shapes.items():
         spec = dt.SpecConfig(eagle_topk=shape.topk, num_steps=shape.num_steps, num_draft_tokens=shape.num_draft_tokens,
-                             draft_depth=depth, max_requests=max(bss))
+                             draft_depth=depth, max_requests=max(bss), accept="sampling" if label in sampled else "greedy")
         for mode, graphs in (("eager", False), ("captured", captured)):
             engine = dt.Engine(model, spec)
             drafter = (MtpDrafter(model, shape, graphs=graphs) if label.startswith("mtp") else
@@ -71,9 +75,15 @@ def main(argv=None) -> int:
             runs[label, mode] = (engine, drafter)
     prompts = [heldout_prompt(96, s) for s in range(max(bss))]
     warm = [heldout_prompt(96, 300 + s) for s in range(max(bss))]
+
+    def sampling(label: str, seed: int) -> dict:
+        if label not in sampled:
+            return {}
+        return {"temperature": 1.0, "generator": torch.Generator(device=args.device).manual_seed(seed)}
+
     for (label, mode), (engine, drafter) in runs.items():
         for bs in bss:  # captures every bucket this run will replay
-            engine.generate_batch(warm[:bs], 4, drafter=drafter, progress=False)
+            engine.generate_batch(warm[:bs], 4, drafter=drafter, progress=False, **sampling(label, 0))
     best, outputs = {}, {}
     t_start = time.perf_counter()
     for rep in range(args.reps):
@@ -81,7 +91,8 @@ def main(argv=None) -> int:
             for (label, mode), (engine, drafter) in runs.items():
                 _sync(args.device)
                 t0 = time.perf_counter()
-                outs = engine.generate_batch(prompts[:bs], args.new_tokens, drafter=drafter, progress=False)
+                outs = engine.generate_batch(prompts[:bs], args.new_tokens, drafter=drafter, progress=False,
+                                             **sampling(label, bs))
                 _sync(args.device)
                 secs = time.perf_counter() - t0
                 longest = max(outs, key=lambda o: o.stats.rounds).stats

@@ -341,7 +341,7 @@ def test_drawn_rounds_stay_on_the_device():
     host tensor mixed in (the generator's uniforms are drawn on the host and copied over)."""
     from dsv4_tree.drafters.budget_policy import BudgetPolicy
     from dsv4_tree.drafters.cost_table import LineTable
-    from dsv4_tree.drafters.dspark_drawn import DrawnTree, _draw, _others, node_values
+    from dsv4_tree.drafters.dspark_drawn import DrawnTree, _draw, _others, budget_select, draw_uniforms, node_values
     from dsv4_tree.drafters.verify_budget import marginal_value
     from test_device import NoHostTensorsInDeviceOps
 
@@ -351,7 +351,7 @@ def test_drawn_rounds_stay_on_the_device():
     table = LineTable((1, 4), (0.01, 0.012), (0.0004, 0.0003), note="test")
     policy = BudgetPolicy(5, table)
     with NoHostTensorsInDeviceOps():
-        x = _draw(q, torch.Generator().manual_seed(0))
+        x = _draw(q, draw_uniforms(torch.Generator().manual_seed(0), b, 2, m)[:, 0])
         sib = _others(q, x, 2)
         lens = policy.chain_fixed(ALONE, [0, 1, 2], conf)
         price = marginal_value(conf, policy.unsettled()[0])
@@ -359,8 +359,12 @@ def test_drawn_rounds_stay_on_the_device():
                           torch.empty(b, n - 1, V, dtype=torch.float64, device=m), torch.empty(b, 3, dtype=torch.int64, device=m),
                           torch.empty(b, 2, V, device=m))
         values = node_values(drawn, conf, torch.tensor([0.3, 0.2], dtype=torch.float64).to(m))
+        batch, rows = budget_select(drawn, conf, lens, policy.unsettled()[0],
+                                    torch.tensor([0.3, 0.2], dtype=torch.float64).to(m), torch.empty(b, dtype=torch.int64,
+                                                                                              device=m))
         acc = drawn_accept(drawn.tokens, torch.tensor(PARENTS).to(m).expand(b, -1),
                            torch.empty(b, n, V, dtype=torch.float64, device=m),
                            torch.empty(b, n, V, dtype=torch.float64, device=m), torch.full((b,), n).to(m), 2, 3,
                            torch.Generator().manual_seed(1))
-    assert all(t.device.type == m for t in (x, sib, lens, price, values, acc.lengths, acc.path, acc.bonus))
+    assert all(t.device.type == m for t in (x, sib, lens, price, values, batch.tokens, batch.counts, rows, acc.lengths,
+                                            acc.path, acc.bonus))

@@ -242,7 +242,7 @@ def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
         DSparkDrafter(trained, SHAPES["chain"], graphs=True)
     with pytest.raises(ConfigError, match="graphs must be True, False or a capture function, got 'yes'"):
         DSparkDrafter(trained, SHAPES["chain"], graphs="yes")
-    # captured drafts are greedy, fixed-size and unrecorded: the others run eagerly
+    # captured drafts are unrecorded, fixed-size or priced by a cost table: the others run eagerly
     shape = SHAPES["tree"]
     eng = _engine(model := trained, shape)
     drafter = DSparkDrafter(model, shape, graphs=eager_capture, record=True)
@@ -251,7 +251,8 @@ def test_graphs_are_refused_by_name_where_they_cannot_run(trained):
     assert replay_form(drafter, eng, "fixed", 8) and not replay_form(drafter, eng, "fixed", 9)  # max_requests 8
     assert not replay_form(drafter, eng, "adaptive", 3)
     drafter.set_sampling(1.0)
-    assert not replay_form(drafter, eng, "fixed", 3)
+    assert replay_form(drafter, eng, "fixed", 3) == "drawn"  # sampled: the uniforms are an input
+    assert not replay_form(drafter, eng, "adaptive", 3)  # no cost table: a budget learnt online
     assert not replay_form(drafter, _engine(model, shape, cuda_graph_max_bs=2), "fixed", 3)
     eng.model.ranks = object()  # a sharded model (stands in for a process group): eager drafts
     try:

@@ -27,8 +27,8 @@ import torch
 
 from ..ranks import agree_choice
 from .cost_table import MeasuredCosts
-from .verify_budget import (SURVIVAL_EPS, BudgetChoice, FixedPick, budget_fixed, budget_from_sorted, chosen_fixed,
-                            eligible_fixed, survival, verify_lens, verify_lens_fixed)
+from .verify_budget import (SURVIVAL_EPS, BudgetChoice, budget_fixed, budget_from_sorted, chosen_fixed,
+                            eligible_fixed, lagged_pick, survival, verify_lens, verify_lens_fixed)
 
 LAG = 2  # rounds between a chain's confidences and the budget they set (SGLang's default relay lag)
 
@@ -110,14 +110,10 @@ class BudgetPolicy:
         """confidence [R, gamma] of this round's drafted chains (host) -> verify lengths [R]
         (root included): budget from the survival LAG rounds back, shape from this round's."""
         conf = confidence.detach().to("cpu", torch.float32)
-        ones = torch.ones(conf.shape[1])
-        lagged = torch.stack([h[0] if len(h := self._history.get(rid, ())) == self.lag else ones
-                              for rid in request_ids])
-        window = survival(lagged).reshape(-1)
+        window = survival(self.lagged(request_ids, conf.device, conf.shape[1])).reshape(-1)
         values = torch.sort(window[window >= SURVIVAL_EPS].to(torch.float64), descending=True).values
         budget = self._budget(model, values, len(request_ids))
-        for rid, row in zip(request_ids, conf):
-            self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
+        self.remember(request_ids, conf)
         self.last_budget, self.kind = budget, "chain"
         return verify_lens(conf, budget)
 
@@ -126,20 +122,23 @@ class BudgetPolicy:
         with a cost table or forced nodes): confidence [R, D] -> verify lengths [R] int64 on that
         device; the budget is read with the draft (`unsettled` / `settle`), as a tree's is."""
         conf = confidence.detach().to(torch.float32)
-        dev, r = conf.device, conf.shape[0]
-        ones = torch.ones(conf.shape[1], device=dev)
-        lagged = torch.stack([h[0].to(dev) if len(h := self._history.get(rid, ())) == self.lag else ones
-                              for rid in request_ids])
-        window = survival(lagged).reshape(-1).to(torch.float64)
-        keep = window >= SURVIVAL_EPS
-        first = torch.argsort(torch.where(keep, window, torch.full_like(window, float("-inf"))), descending=True,
-                              stable=True)
-        pick = FixedPick(first, torch.where(keep[first], window[first], torch.zeros_like(window)), keep.sum())
+        pick = lagged_pick(self.lagged(request_ids, conf.device, conf.shape[1]))
         self.kind = "chain"
-        budget = self._fixed_budget(model, pick, r)
-        for rid, row in zip(request_ids, conf):
-            self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
+        budget = self._fixed_budget(model, pick, conf.shape[0])
+        self.remember(request_ids, conf)
         return verify_lens_fixed(conf, budget)
+
+    def lagged(self, request_ids: list, device, width: int) -> torch.Tensor:
+        """[R, width] fp32 on `device`: each request's confidences `lag` rounds back (ones for a
+        request with fewer rounds behind it), what the chain budget is set from."""
+        ones = torch.ones(width, device=device)
+        return torch.stack([h[0].to(device) if len(h := self._history.get(rid, ())) == self.lag else ones
+                            for rid in request_ids])
+
+    def remember(self, request_ids: list, confidence: torch.Tensor) -> None:
+        """This round's confidences [R, D] (fp32), for the budget `lag` rounds on."""
+        for rid, row in zip(request_ids, confidence):
+            self._history.setdefault(rid, deque(maxlen=self.lag)).append(row)
 
     def tree(self, model, values: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """values [R, P] float64 pool values, depths [P] -> the chosen candidates [R, P] bool.

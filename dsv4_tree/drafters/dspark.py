@@ -44,14 +44,14 @@ from ..tree.tree_batch import TreeBatch
 from .base import TreeShape, draft_graphs
 from .budget_policy import BudgetPolicy
 from .cost_table import load_cost_table
-from .dspark_budget import adaptive_chains, batch_of, budget_trees
+from .dspark_budget import adaptive_chains, budget_trees, read_drawn
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
-from .dspark_graphs import captured, fixed_tree, padded_block, replay_budget, replay_fixed, replay_form
-from .dspark_drawn import draw_tree, node_layout, node_values, pool_parents, spine_confidences
+from .dspark_graphs import captured, fixed_tree, padded_block, replay, replay_form
+from .dspark_drawn import (budget_select, draw_tree, draw_uniforms, drawn_parent_rows, sibling_counts,
+                           spine_confidences)
 from .depth import candidate_depths
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
-from .verify_budget import marginal_value
 from .mtp import depth_for
 from .node_values import as_value_model
 from .sibling_rate import SiblingRate
@@ -138,9 +138,9 @@ class DSparkDrafter:
         (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
         confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
         or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1); graphs: True
-        captures a greedy draft's device half (fixed size, or a budgeted tree priced by a cost
-        table) in a CUDA graph per batch bucket and replays it (drafters/dspark_graphs.py; a
-        CUDA model only), or a capture function of
+        captures a draft's device half (fixed size; a greedy budgeted tree or a sampled drawn
+        tree's chain budget priced by a cost table) in a CUDA graph per batch bucket and replays
+        it (drafters/dspark_graphs.py; a CUDA model only), or a capture function of
         executor/graphs.py's contract (eager_capture: the same replay path on any device)."""
         self.model = model
         self.module = module if module is not None else load_dspark(model)
@@ -172,6 +172,11 @@ class DSparkDrafter:
         self.temperatures = (None if confidence_sts is None else
                              torch.tensor(read_sts(confidence_sts, self.module.block_size), device=model.device))
         self.graphs = draft_graphs(model, graphs, lambda key, *inputs: captured(self, key, *inputs), "DSparkDrafter")
+
+    @property
+    def spine_depth(self) -> int:
+        """A drawn draft's spine depth (dspark_drawn.sibling_counts): its uniforms per request."""
+        return len(sibling_counts(self.shape.topk, self.shape.num_steps, self.shape.num_draft_tokens))
 
     @property
     def feature_layers(self) -> tuple:
@@ -257,7 +262,7 @@ class DSparkDrafter:
         starts = torch.tensor([r.seq_len for r in requests], device=dev)
         form = replay_form(self, engine, size, len(requests))
         if form:  # the bucket's captured draft, then the one read
-            trees = (replay_fixed if form == "fixed" else replay_budget)(self, requests, anchors, starts, tables, lengths)
+            trees = replay(self, form, requests, anchors, starts, tables, lengths)
             self._keep(requests, staged)
             return trees
         blk = padded_block(model, module, anchors, starts, tables, lengths, model.window)
@@ -316,27 +321,20 @@ class DSparkDrafter:
         if self.shape.topk > 1 and self.branching != "markov":
             raise ConfigError(f"branching={self.branching!r} is a greedy measurement baseline; a sampling run drafts "
                               "drawn trees from the Markov head (branching='markov')")
-        drawn = draw_tree(self.module, blk, anchors, self.shape.topk, self.shape.num_steps,
-                          self.shape.num_draft_tokens, self.sampling)
+        temperature, top_p, generator = self.sampling
         b, dev = anchors.shape[0], anchors.device
+        u = draw_uniforms(generator, b, self.spine_depth, dev)
+        drawn = draw_tree(self.module, blk, anchors, self.shape.topk, self.shape.num_steps,
+                          self.shape.num_draft_tokens, temperature, top_p, u)
         conf = spine_confidences(self.module, blk, drawn, self.temperatures) if size == "adaptive" or self.record else None
         if size == "adaptive":  # the spine's length by the chain's rule, siblings worth its price: on the device
             lens = self.policy.chain_fixed(self.model, [r.request_id for r in requests], conf)
-            price = marginal_value(conf, self.policy.unsettled()[0])
-            depth, rank = node_layout(drawn.counts, dev)
-            values = node_values(drawn, conf, self.sibling_rate.rates(dev))
-            keep = (depth.unsqueeze(0) < (lens - 1).unsqueeze(1)) & ((rank == 0) | (values >= price))
-            pool_par = torch.tensor(pool_parents(drawn), device=dev).expand(b, -1)
-            batch, sel = batch_of(anchors, drawn.tokens[:, 1:], pool_par, keep, keep.shape[1])
-            rows = drawn.draw_probs.gather(1, sel.unsqueeze(2).expand(-1, -1, drawn.draw_probs.shape[2]))
-            trees, extra = batch.trees_and(self.policy.unsettled(), rows)
-            self.policy.settle(extra)
-            self.policy.drafted(requests, sum(t.num_nodes for t in trees))
-            if self.shape.topk > 1:
-                self.sibling_rate.drafted(requests, trees)
+            batch, rows = budget_select(drawn, conf, lens, self.policy.unsettled()[0], self.sibling_rate.rates(dev),
+                                        anchors)
+            trees = read_drawn(self.policy, self.sibling_rate if self.shape.topk > 1 else None, requests, batch, rows,
+                               self.policy.unsettled())
         else:
-            parents = torch.tensor(drawn.parents, device=dev).expand(b, -1)
-            trees = TreeBatch(drawn.tokens, parents).trees(drawn.draw_probs)
+            trees = TreeBatch(drawn.tokens, drawn_parent_rows(drawn.counts, b, dev)).trees(drawn.draw_probs)
         if self.record:
             with torch.inference_mode(False):
                 for i, (req, tree) in enumerate(zip(requests, trees)):

@@ -89,3 +89,15 @@ def read_trees(policy, learner, requests, batch: TreeBatch, unsettled: torch.Ten
     policy.drafted(requests, sum(t.num_nodes for t in trees))
     policy.value_weights = learner.model.weights
     return trees
+
+
+def read_drawn(policy, sibling_rate, requests, batch: TreeBatch, rows: torch.Tensor, unsettled: torch.Tensor) -> list:
+    """An adaptive drawn tree's one host read (the chain budget rides in it: unsettled, [4]) and
+    the host side after it; rows [B, N - 1, V]: each node's draw row, kept by its tree (a view,
+    not read). sibling_rate: None for a drawn chain (no siblings)."""
+    trees, extra = batch.trees_and(unsettled, rows)
+    policy.settle(extra)
+    policy.drafted(requests, sum(t.num_nodes for t in trees))
+    if sibling_rate is not None:
+        sibling_rate.drafted(requests, trees)
+    return trees

@@ -26,8 +26,9 @@ survivals, and each sibling rank's acceptance learnt from past rounds), at depth
 reaches. tests/test_drawn_trees.py shows both sides: siblings
 kept by a later draw stay lossless, a spine node kept by its own draw does not.
 
-Draws use uniforms from the run's generator on its own device, inverted on the model's device
-(no host read, no data-dependent shape)."""
+Draws use uniforms drawn at once from the run's generator on its own device (`draw_uniforms`),
+inverted on the model's device (no host read, no data-dependent shape): a captured draft takes
+them as an input (drafters/dspark_graphs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from ..verify.sampling import target_probs
+from .dspark_budget import batch_of
 from .dspark_rows import DSparkBlock, confidences, markov_logits
+from .verify_budget import marginal_value
 
 
 def sibling_counts(topk: int, num_steps: int, num_nodes: int) -> list:
@@ -73,11 +76,18 @@ class DrawnTree:
     logits: torch.Tensor  # [B, D, V] fp32: depth k's Markov-biased logits (its parent's)
 
 
-def _draw(dist: torch.Tensor, generator) -> torch.Tensor:
-    """One token per row of dist [B, V] (rows sum to 1) by inverting the CDF at a uniform from
-    `generator` on its device: no host read."""
+def draw_uniforms(generator, rows: int, depths: int, device) -> torch.Tensor:
+    """[rows, depths] float64 on `device`: the uniforms of a batch's drawn spines, drawn at once
+    from `generator` on its own device (None: the global CPU generator), depth-major: depth k's
+    rows draws, then depth k + 1's, the order a depth-by-depth walk would take them."""
     gen_dev = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(dist.shape[0], generator=generator, dtype=torch.float64, device=gen_dev).to(dist.device)
+    u = torch.rand(depths, rows, generator=generator, dtype=torch.float64, device=gen_dev)
+    return u.to(device).t().contiguous()
+
+
+def _draw(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of dist [B, V] (rows sum to 1) by inverting the CDF at the uniforms u
+    [B]: no host read."""
     cdf = torch.cumsum(dist, 1)
     return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=dist.shape[1] - 1)
 
@@ -93,15 +103,15 @@ def _others(q: torch.Tensor, x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def draw_tree(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_steps: int, num_nodes: int,
-              sampling: tuple) -> DrawnTree:
-    """The drawn trees of a batch (module docstring); sampling: (temperature, top_p, generator)."""
-    temperature, top_p, generator = sampling
+              temperature: float, top_p: float, uniforms: torch.Tensor) -> DrawnTree:
+    """The drawn trees of a batch (module docstring); uniforms [B, D] (draw_uniforms, D the
+    spine's depth): column k inverts depth k's draws."""
     counts = sibling_counts(topk, num_steps, num_nodes)
     prev, cols, rows, spine, logits = anchors, [anchors.unsqueeze(1)], [], [anchors], []
     for k, s in enumerate(counts):
         lk = markov_logits(module, blk.base[:, k], prev)  # [B, V] fp32
         q = target_probs(lk, temperature, top_p)  # [B, V] float64
-        prev = _draw(q, generator)
+        prev = _draw(q, uniforms[:, k])
         cols.append(prev.unsqueeze(1))
         rows.append(q.unsqueeze(1))
         if s:
@@ -118,11 +128,31 @@ def draw_tree(module, blk: DSparkBlock, anchors: torch.Tensor, topk: int, num_st
                      torch.stack(logits, 1) if logits else torch.zeros(b, 0, vocab, device=anchors.device))
 
 
+_LAYOUTS: dict = {}
+
+
+def _layout(counts: list, device) -> tuple:
+    """(depth - 1, rank, pool parent, node parent) of a drawn shape as tensors on `device`, made
+    once per (shape, device): a captured draft reads them, no host-to-device copy per round."""
+    key = (tuple(counts), str(torch.device(device) if device is not None else "cpu"))
+    if key not in _LAYOUTS:
+        depth = [k for k, s in enumerate(counts) for _ in range(s + 1)]
+        rank = [j for s in counts for j in range(s + 1)]
+        parents = drawn_parents(counts)
+        with torch.inference_mode(False):  # ordinary tensors, usable outside inference mode too
+            _LAYOUTS[key] = tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                                  for x in (depth, rank, [p - 1 for p in parents[1:]], parents))
+    return _LAYOUTS[key]
+
+
 def node_layout(counts: list, device=None) -> tuple:
     """Each non-root node's (depth - 1, rank: 0 the spine node, j the j-th sibling), [N - 1] each."""
-    depth = [k for k, s in enumerate(counts) for _ in range(s + 1)]
-    rank = [j for s in counts for j in range(s + 1)]
-    return torch.tensor(depth, device=device), torch.tensor(rank, device=device)
+    return _layout(counts, device)[:2]
+
+
+def drawn_parent_rows(counts: list, rows: int, device) -> torch.Tensor:
+    """[rows, N] the drawn shape's parent list for every request (a TreeBatch's parents)."""
+    return _layout(counts, device)[3].expand(rows, -1)
 
 
 def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
@@ -145,6 +175,22 @@ def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor)
 def pool_parents(drawn: DrawnTree) -> list:
     """Each non-root node's parent as a pool id (node id - 1; -1: the root): dspark_budget.batch_of's layout."""
     return [p - 1 for p in drawn.parents[1:]]
+
+
+def budget_select(drawn: DrawnTree, conf: torch.Tensor, lens: torch.Tensor, budget, rates: torch.Tensor,
+                  anchors: torch.Tensor) -> tuple:
+    """An adaptive drawn tree: the spine's first lens - 1 nodes (lens [B], the chain budget's
+    verify lengths), and beside them the siblings worth at least `budget`'s last spine node
+    (marginal_value of conf [B, D]; rates: sibling_rate's). -> (TreeBatch [B, N] with node
+    counts, each node's draw row [B, N - 1, V]); fixed shapes, on the device."""
+    b, dev = anchors.shape[0], anchors.device
+    price = marginal_value(conf, budget)
+    depth, rank, pool_par = _layout(drawn.counts, dev)[:3]
+    values = node_values(drawn, conf, rates)
+    keep = (depth.unsqueeze(0) < (lens - 1).unsqueeze(1)) & ((rank == 0) | (values >= price))
+    batch, sel = batch_of(anchors, drawn.tokens[:, 1:], pool_par.expand(b, -1), keep, keep.shape[1])
+    rows = drawn.draw_probs.gather(1, sel.unsqueeze(2).expand(-1, -1, drawn.draw_probs.shape[2]))
+    return batch, rows
 
 
 def spine_confidences(module, blk: DSparkBlock, drawn: DrawnTree, temperatures=None) -> torch.Tensor:

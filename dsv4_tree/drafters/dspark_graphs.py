@@ -15,16 +15,25 @@ requests' candidates are worth 0, so never eligible), the table's seconds at eve
 that count (`table_seconds`: theta = tau / seconds, the table's own rule) and the value
 model's weights (a fitted model and the prior are separate graphs).
 
+`drawn_draft` is a sampled draft's (dspark_drawn.py): the same pass, then the drawn spine with its
+chosen siblings, inverting uniforms the drafter draws from the run's generator before the replay
+(draw_uniforms: one call, depth-major, the draws the eager walk takes) and passes as a static
+input; temperature and top-p are constants of the graph (part of its key). Fixed size, or the
+chain budget priced by a cost table with the siblings worth its last spine node: then the real
+request count, the table's seconds, each request's lagged confidences (BudgetPolicy.lagged,
+padding rows 0) and the sibling rates are inputs too, and padding requests' spines are zeroed
+before the budget, so real rows get the eager draft's lengths and prices.
+
 The drafter captures such a function once per bucket (executor/graphs.BucketGraphs: B rounded
 up to a power of two; padding requests have no context and an anchor of 0, their rows attend to
 their own block only and their trees are dropped) and replays it: the inputs are copied into
 the bucket's static buffers, the graph replays, and the drafter takes the real rows of its
 static outputs. What stays eager: bring_up, the packing, and the one host read
-of the trees. `replay_form` says which form serves a DSparkDrafter's draft; `replay_fixed` and
-`replay_budget` pad its inputs, replay and read (the budget's host side through
-dspark_budget.read_trees, as the eager budget_trees). A drawn draft (sampling) is not captured, its draws need the caller's generator;
-nor is a budget learnt online (its probes are host decisions) or a recorded draft: they run the
-same padded forward eagerly."""
+of the trees. `replay_form` says which form serves a DSparkDrafter's draft; `replay` pads its
+inputs, replays and reads (the budgets' host side through dspark_budget.read_trees and
+read_drawn, as the eager drafts). Not captured: a budget learnt online (its probes are host
+decisions) or forced, a greedy budgeted chain, or a recorded draft: they run the same padded
+forward eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,11 +46,12 @@ from ..serving.buckets import pow2
 from ..tree.build import local_parents, organize_draft_results
 from ..tree.tree_batch import TreeBatch
 from .base import graphed_batch
-from .dspark_budget import batch_of, read_trees
+from .dspark_budget import batch_of, read_drawn, read_trees
+from .dspark_drawn import budget_select, draw_tree, draw_uniforms, drawn_parent_rows, spine_confidences
 from .dspark_rows import block_ids, block_rows, markov_walk, padded_block_index
 from .dspark_tree import expand_markov
 from .node_values import FEATURES, PoolValues, pool_values, share_with
-from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed
+from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed, lagged_pick, verify_lens_fixed
 
 def padded_block(model, module, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
                  lengths: torch.Tensor, width: int):
@@ -131,29 +141,79 @@ def budget_draft(model, module, shape, branching: str, temperatures, width: int,
                        sel.contiguous(), unsettled, tokens.contiguous(), own)
 
 
+@dataclass
+class DrawnDraft:
+    """A drawn draft's device results, [B, ...] rows first."""
+
+    batch: TreeBatch  # [B, N]; adaptive: with node counts
+    rows: torch.Tensor  # [B, N - 1, V] float64: each node's draw row
+    unsettled: torch.Tensor | None  # adaptive: [4] float64 (BudgetPolicy.unsettled)
+    confidence: torch.Tensor | None  # adaptive: [B, D] the spine's confidences (the budget's history)
+
+
+def drawn_draft(model, module, shape, temperatures, width: int, temperature: float, top_p: float, adaptive: bool,
+                anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                uniforms: torch.Tensor, *budget) -> DrawnDraft:
+    """A sampled draft (dspark_drawn.py): uniforms [B, D] (draw_uniforms, padding rows 0); fixed
+    size, or adaptive with budget = (live 0-dim int64, seconds [B * D + 1] float64 (table_seconds
+    for live requests), lagged [B, D] fp32 (BudgetPolicy.lagged, padding rows 0: never eligible),
+    rates [K - 1] float64 (SiblingRate.rates)). Padding requests' spines are zeroed before the
+    budget, so the real rows' lengths and prices are what the eager draft of the live requests
+    gives at this batch's shapes."""
+    blk = padded_block(model, module, anchors, starts, tables, lengths, width)
+    drawn = draw_tree(module, blk, anchors, shape.topk, shape.num_steps, shape.num_draft_tokens, temperature, top_p,
+                      uniforms)
+    b = anchors.shape[0]
+    if not adaptive:
+        return DrawnDraft(TreeBatch(drawn.tokens.contiguous(), drawn_parent_rows(drawn.counts, b, anchors.device)
+                                    .contiguous()), drawn.draw_probs.contiguous(), None, None)
+    live, seconds, lagged, rates = budget
+    real = torch.arange(b, device=anchors.device) < live
+    conf = spine_confidences(module, blk, drawn, temperatures)
+    conf = torch.where(real.unsqueeze(1), conf, torch.zeros_like(conf))
+    best, secs, theta = budget_fixed(lagged_pick(lagged), live, StepTable(seconds))
+    lens = verify_lens_fixed(conf, best)
+    batch, rows = budget_select(drawn, conf, lens, best, rates, anchors)
+    f64 = torch.float64
+    unsettled = torch.stack([best.to(f64), best.to(f64), secs.to(f64), theta.to(f64)])
+    return DrawnDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
+                      rows.contiguous(), unsettled, conf.contiguous())
+
+
 def replay_form(drafter, engine, size: str, b: int) -> str | None:
     """Which captured draft serves the DSparkDrafter's draft of b requests at `size`: "fixed"
-    (greedy, a fixed size), "budget" (greedy, a budgeted tree priced by a cost table) or None
-    (eager: no graphs, sampling, recording, a budget learnt online or forced, a budgeted chain, or
-    a batch base.graphed_batch refuses)."""
+    (greedy, a fixed size), "budget" (greedy, a budgeted tree priced by a cost table), "drawn"
+    (sampling, a fixed size) or "drawn budget" (sampling, the chain budget priced by a cost table)
+    or None (eager: no graphs, recording, a budget learnt online or forced, a greedy budgeted
+    chain, a batch base.graphed_batch refuses, or a drawn tree off the Markov head, which the
+    eager path refuses by name)."""
     d = drafter
-    if d.graphs is None or d.sampling is not None or d.record or not graphed_batch(engine, b):
+    if d.graphs is None or d.record or not graphed_batch(engine, b):
         return None
+    p = d.policy
+    priced = p is not None and p.table is not None and p.forced_nodes is None
+    if d.sampling is not None:
+        if d.shape.topk > 1 and d.branching != "markov":
+            return None
+        return "drawn" if size == "fixed" else "drawn budget" if priced else None
     if size == "fixed":
         return "fixed"
-    p = d.policy
-    if d.shape.topk > 1 and p is not None and p.table is not None and p.forced_nodes is None:
-        return "budget"
-    return None
+    return "budget" if d.shape.topk > 1 and priced else None
+
 
 def captured(drafter, key, anchors, starts, tables, lengths, *extra):
-    """The function a DSparkDrafter's graphs capture: key ("fixed",) or ("budget", fitted)."""
+    """The function a DSparkDrafter's graphs capture: key ("fixed",), ("budget", fitted) or
+    ("drawn", adaptive, temperature, top_p)."""
     d = drafter
     if key[0] == "fixed":
         return fixed_draft(d.model, d.module, d.shape, d.branching, d.temperatures, d.model.window,
                            anchors, starts, tables, lengths)
+    if key[0] == "drawn":
+        return drawn_draft(d.model, d.module, d.shape, d.temperatures, d.model.window, key[2], key[3], key[1],
+                           anchors, starts, tables, lengths, *extra)
     return budget_draft(d.model, d.module, d.shape, d.branching, d.temperatures, d.model.window, d.policy.cap,
                         key[1], anchors, starts, tables, lengths, *extra)
+
 
 def _padded(bp: int, width: int, anchors, starts, tables, lengths) -> tuple:
     """The four inputs padded to bp requests (padding: anchor 0, no context)."""
@@ -181,3 +241,37 @@ def replay_budget(drafter, requests, anchors, starts, tables, lengths) -> list:
     batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
     rows = PoolValues(out.pool.values[:b], out.pool.depths, out.pool.parents[:b], out.pool.features[:b])
     return read_trees(policy, d.values, requests, batch, out.unsettled, out.tokens[:b], rows)  # read before the next replay
+
+
+def replay_drawn(drafter, requests, anchors, starts, tables, lengths, adaptive: bool) -> list:
+    """A sampled draft replayed in its bucket's graph: the uniforms drawn first from the run's
+    generator (the eager draft's draws), then the read; adaptive, the chain budget's host side as
+    the eager draft does it (the lagged confidences in, this round's kept for later rounds)."""
+    d = drafter
+    b, dev = len(requests), d.model.device
+    bp, depth = pow2(b), d.spine_depth
+    temperature, top_p, generator = d.sampling
+    inputs = _padded(bp, d.model.window, anchors, starts, tables, lengths) + (
+        pad_rows(draw_uniforms(generator, b, depth, dev), bp),)
+    if adaptive:
+        policy, ids = d.policy, [r.request_id for r in requests]
+        policy.kind = "chain"
+        inputs += (torch.tensor(b, device=dev), table_seconds(policy.table, b, bp * depth).to(dev),
+                   pad_rows(policy.lagged(ids, dev, depth), bp), d.sibling_rate.rates(dev))
+    out = d.graphs.run(bp, inputs, key=("drawn", adaptive, temperature, top_p))
+    rows = out.rows[:b].clone()  # the trees keep their rows past the next replay
+    if not adaptive:
+        return TreeBatch(out.batch.tokens[:b], out.batch.parents[:b]).trees(rows)
+    d.policy.remember(ids, out.confidence[:b].clone())
+    batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
+    return read_drawn(d.policy, d.sibling_rate if d.shape.topk > 1 else None, requests, batch, rows, out.unsettled)
+
+
+def replay(drafter, form: str, requests, anchors, starts, tables, lengths) -> list:
+    """The draft of `form` (replay_form) replayed, then its one read."""
+    args = (drafter, requests, anchors, starts, tables, lengths)
+    if form == "fixed":
+        return replay_fixed(*args)
+    if form == "budget":
+        return replay_budget(*args)
+    return replay_drawn(*args, adaptive=form == "drawn budget")

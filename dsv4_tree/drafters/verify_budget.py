@@ -177,6 +177,16 @@ def eligible_fixed(values: torch.Tensor, depths: torch.Tensor, cap: int, eps: fl
     return FixedPick(order[first], torch.where(kept, flat[first], torch.zeros_like(flat)), kept.sum())
 
 
+def lagged_pick(lagged: torch.Tensor, eps: float = SURVIVAL_EPS) -> FixedPick:
+    """The chain budget's candidates at a fixed shape: the survivals of lagged [R, D] (each
+    request's confidences `lag` rounds back; zero rows: padding, never eligible), best first."""
+    window = survival(lagged).reshape(-1).to(torch.float64)
+    keep = window >= eps
+    first = torch.argsort(torch.where(keep, window, torch.full_like(window, float("-inf"))), descending=True,
+                          stable=True)
+    return FixedPick(first, torch.where(keep[first], window[first], torch.zeros_like(window)), keep.sum())
+
+
 def budget_fixed(pick: FixedPick, num_requests: int, table) -> tuple:
     """`budget_from_sorted` over a FixedPick: theta at every b in [0, M] (past the eligible count
     -inf), the first maximum. -> (b, seconds, theta), 0-dim tensors on the pick's device."""
