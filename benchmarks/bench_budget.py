@@ -32,7 +32,7 @@ import torch
 
 import dsv4_tree as dt
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.cost_profile import profile_costs
+from dsv4_tree.budget.cost_profile import profile_costs
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.train.corpus import heldout_prompt
 

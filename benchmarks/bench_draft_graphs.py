@@ -28,7 +28,7 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.checkpoint.dspark_names import load_dspark
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.mtp import MtpDrafter
 from dsv4_tree.executor.graphs import eager_capture

@@ -27,7 +27,7 @@ import dsv4_tree as dt
 import dsv4_tree.generate_batch as gb
 from dsv4_tree.diagnostics import HostReadCounter, OpCounter
 from dsv4_tree.drafters.base import TreeShape, default_tree_nodes
-from dsv4_tree.drafters.cost_profile import profile_costs
+from dsv4_tree.budget.cost_profile import profile_costs
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.train.corpus import heldout_prompt
 

@@ -149,7 +149,7 @@ def dspark_size(sharded, plain, rank: int, p: list) -> dict:
     thousand rounds (alone it would draft the roots only), rank 0's that nodes are free. Rank 0
     decides, so both draft rank 0's sizes and the same trees."""
     from dsv4_tree.drafters.base import TreeShape
-    from dsv4_tree.drafters.cost_table import LineTable
+    from dsv4_tree.budget.cost_table import LineTable
     from dsv4_tree.drafters.dspark import DSparkDrafter
 
     spec = dt.SpecConfig(eagle_topk=2, num_steps=3, num_draft_tokens=8)

@@ -1,6 +1,6 @@
 """Malformed verify-budget inputs are refused by name, at load or at call, with a ConfigError: cost
-tables (drafters/cost_table.py), node-value models (drafters/node_values.py) and profile_costs'
-arguments (drafters/cost_profile.py). Before, each of these loaded and then failed at the first
+tables (budget/cost_table.py), node-value models (budget/node_values.py) and profile_costs'
+arguments (budget/cost_profile.py). Before, each of these loaded and then failed at the first
 adaptive draft with a raw TypeError / ValueError / AttributeError, or (a NaN in a table) switched
 speculation off silently: every round verified the root alone."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 import dsv4_tree as dt
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.cost_profile import profile_costs
-from dsv4_tree.drafters.cost_table import AdditiveTable, LineTable, load_cost_table
+from dsv4_tree.budget.cost_profile import profile_costs
+from dsv4_tree.budget.cost_table import AdditiveTable, LineTable, load_cost_table
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.node_values import FEATURES, ValueModel
+from dsv4_tree.budget.node_values import FEATURES, ValueModel
 from test_budget_policy import GAMMA, TREE, model, module  # noqa: F401 (the tiny model and a DSpark module: fixtures)
 
 LINES = {"format": "dsv4_tree.cost_lines", "batch_sizes": [1, 4], "base_seconds": [0.01, 0.02],

@@ -1,4 +1,4 @@
-"""Adaptive DSpark drafts under one verify budget per step (drafters/budget_policy.py): chains cut
+"""Adaptive DSpark drafts under one verify budget per step (budget/budget_policy.py): chains cut
 to SGLang's lengths from confidences two rounds old, budgeted trees that grow when rows are cheap
 and shrink when they are dear (given tables and lines learnt on a fake clock), the start-up
 profile recovering a priced line, greedy output equal to Hugging Face's, and sampled chains kept
@@ -13,11 +13,11 @@ from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters import dspark_drawn as drawn_mod
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.budget_policy import BudgetPolicy
-from dsv4_tree.drafters.cost_profile import profile_costs
-from dsv4_tree.drafters.cost_table import LineTable, StepsPerSecondTable
+from dsv4_tree.budget.budget_policy import BudgetPolicy
+from dsv4_tree.budget.cost_profile import profile_costs
+from dsv4_tree.budget.cost_table import LineTable, StepsPerSecondTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
-from dsv4_tree.drafters.verify_budget import SURVIVAL_EPS, choose_budget, survival, verify_lens
+from dsv4_tree.budget.verify_budget import SURVIVAL_EPS, choose_budget, survival, verify_lens
 from dsv4_tree.train.corpus import heldout_prompt
 from dsv4_tree.verify.sampling import target_probs
 from test_adaptive_depth import Clock, hf_greedy

@@ -236,8 +236,8 @@ def test_the_spine_lengths_on_the_device_equal_the_chain_rule():
     """BudgetPolicy.chain_fixed (a drawn tree's spine, no host read) gives what `chain` (SGLang's
     rule, tests/with_sglang) gives, round after round through the lag, with a table, online and
     forced; and the same budget (settled from the draft's read)."""
-    from dsv4_tree.drafters.budget_policy import BudgetPolicy
-    from dsv4_tree.drafters.cost_table import LineTable
+    from dsv4_tree.budget.budget_policy import BudgetPolicy
+    from dsv4_tree.budget.cost_table import LineTable
 
     table = LineTable((1, 4), (0.01, 0.012), (0.0004, 0.0003), note="test")
     g = torch.Generator().manual_seed(13)
@@ -264,7 +264,7 @@ def test_sibling_values_and_the_budgets_price():
     the last spine node the chain's budget takes (+inf for none), so a sibling is kept only when
     it is worth as much."""
     from dsv4_tree.drafters.dspark_drawn import DrawnTree, node_values
-    from dsv4_tree.drafters.verify_budget import marginal_value, verify_lens_fixed
+    from dsv4_tree.budget.verify_budget import marginal_value, verify_lens_fixed
 
     counts = [2, 1]
     drawn = DrawnTree(torch.zeros(1, 6, dtype=torch.int64), drawn_parents(counts), counts,
@@ -285,7 +285,7 @@ def test_sibling_rates_are_learnt_from_what_was_committed():
     """SiblingRate walks each drafted tree along the committed tokens: a spine match goes on, a
     sibling match counts a try and an accept for it and the ranks before it, no match counts a
     try for every sibling there."""
-    from dsv4_tree.drafters.sibling_rate import PRIOR, SiblingRate
+    from dsv4_tree.budget.sibling_rate import PRIOR, SiblingRate
 
     rate = SiblingRate(2)
     assert torch.allclose(rate.rates(), torch.full((2,), PRIOR, dtype=torch.float64))
@@ -339,10 +339,10 @@ def test_drawn_rounds_stay_on_the_device():
     """The meta proxy (tests/test_device.py): drawing a level, the spine's lengths and price,
     sibling values and the batched acceptance run on device tensors without a host read or a
     host tensor mixed in (the generator's uniforms are drawn on the host and copied over)."""
-    from dsv4_tree.drafters.budget_policy import BudgetPolicy
-    from dsv4_tree.drafters.cost_table import LineTable
+    from dsv4_tree.budget.budget_policy import BudgetPolicy
+    from dsv4_tree.budget.cost_table import LineTable
     from dsv4_tree.drafters.dspark_drawn import DrawnTree, _draw, _others, budget_select, draw_uniforms, node_values
-    from dsv4_tree.drafters.verify_budget import marginal_value
+    from dsv4_tree.budget.verify_budget import marginal_value
     from test_device import NoHostTensorsInDeviceOps
 
     b, n, m = 3, 6, "meta"

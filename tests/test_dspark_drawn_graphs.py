@@ -18,7 +18,7 @@ import torch
 import dsv4_tree as dt
 from dsv4_tree.diagnostics import HostReadCounter, forbid_host_sync
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_cache import pack_contexts
 from dsv4_tree.drafters.dspark_drawn import draw_uniforms

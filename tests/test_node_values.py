@@ -1,4 +1,4 @@
-"""DSpark tree node values (drafters/node_values.py, value_events.py): the prior and the fitted g
+"""DSpark tree node values (budget/node_values.py, value_events.py): the prior and the fitted g
 against hand computations, values multiplied along each candidate's path, accept events labelled
 from the emitted tokens, the logistic fit recovering known weights, and budgeted trees that change
 when the confidence head is read upside down (c -> 1 - c)."""
@@ -14,11 +14,11 @@ import dsv4_tree as dt
 from dsv4_tree.checkpoint.dspark import DSparkSettings
 from dsv4_tree.checkpoint.tiny import random_dspark
 from dsv4_tree.drafters.base import TreeShape
-from dsv4_tree.drafters.cost_table import LineTable
+from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_tree import MarkovExpansion
-from dsv4_tree.drafters.node_values import ValueModel, fit_logistic, pool_values, prior_share
-from dsv4_tree.drafters.value_events import events
+from dsv4_tree.budget.node_values import ValueModel, fit_logistic, pool_values, prior_share
+from dsv4_tree.budget.value_events import events
 
 
 def test_prior_shares_against_a_hand_computation():
@@ -148,7 +148,7 @@ def test_a_confident_request_gets_a_deep_spine_and_an_unsure_one_siblings():
     budget of 6 nodes: confidence 0.95 everywhere makes request 0's rank-0 children worth nearly
     their parents (a spine three deep), confidence 0.3 makes request 1's rank-1 child outvalue
     its rank-0 sibling (both taken). Values from the prior, picks from verify_budget."""
-    from dsv4_tree.drafters.verify_budget import eligible, pick_nodes
+    from dsv4_tree.budget.verify_budget import eligible, pick_nodes
 
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
     probs = [f([[[0.6, 0.3]]] * 2), f([[[0.6, 0.3], [0.6, 0.3]]] * 2), f([[[0.6, 0.3], [0.6, 0.3]]] * 2)]
@@ -168,7 +168,7 @@ def test_a_confident_request_gets_a_deep_spine_and_an_unsure_one_siblings():
 
 
 def test_batch_events_are_each_requests_events_in_order():
-    from dsv4_tree.drafters.value_events import batch_events
+    from dsv4_tree.budget.value_events import batch_events
 
     rng = np.random.default_rng(1)
     depths = np.array([1, 1, 2, 2, 2, 2, 3, 3])

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import dsv4_tree as dt
-from dsv4_tree.drafters.budget_policy import BudgetPolicy
-from dsv4_tree.drafters.cost_table import (STALE, WINDOW, AdditiveTable, CostLine, LineTable, StepsPerSecondTable,
+from dsv4_tree.budget.budget_policy import BudgetPolicy
+from dsv4_tree.budget.cost_table import (STALE, WINDOW, AdditiveTable, CostLine, LineTable, StepsPerSecondTable,
                                            load_cost_table)
 from dsv4_tree.drafters.depth import candidate_depths
-from dsv4_tree.drafters.verify_budget import budget_from_sorted, eligible, pick_nodes, verify_lens
+from dsv4_tree.budget.verify_budget import budget_from_sorted, eligible, pick_nodes, verify_lens
 
 K, STEPS = 3, 3
 P = K + (STEPS - 1) * K * K

@@ -18,7 +18,7 @@ spine token, tried after it, every node carrying the distribution it was drawn (
 
 size="adaptive" (or size=None under SpecConfig.draft_depth "adaptive": the default for trees,
 asked for explicitly on a chain) verifies what one budget for the whole batch buys
-(drafters/budget_policy.py, design_notes/verify-budget.md): a chain is cut to SGLang's
+(budget/budget_policy.py, design_notes/verify-budget.md): a chain is cut to SGLang's
 confidence-scheduled length, a tree is the batch's best nodes by value, at most
 num_draft_tokens per request, the budget chosen against a cost table (cost_table=, e.g. from
 profile_costs) or lines learnt from the drafter's own rounds.
@@ -42,8 +42,8 @@ from ..hooks import candidate_pool_size
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .base import TreeShape, draft_graphs
-from .budget_policy import BudgetPolicy
-from .cost_table import load_cost_table
+from ..budget.budget_policy import BudgetPolicy
+from ..budget.cost_table import load_cost_table
 from .dspark_budget import adaptive_chains, budget_trees, read_drawn
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
 from .dspark_graphs import captured, fixed_tree, padded_block, replay, replay_form
@@ -53,9 +53,9 @@ from .depth import candidate_depths
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
-from .node_values import as_value_model
-from .sibling_rate import SiblingRate
-from .value_events import ValueLearner
+from ..budget.node_values import as_value_model
+from ..budget.sibling_rate import SiblingRate
+from ..budget.value_events import ValueLearner
 
 
 @dataclass
@@ -134,7 +134,7 @@ class DSparkDrafter:
         default, fixed for chains) | "fixed" (the chain; num_draft_tokens tree nodes) | "adaptive"
         (the batch's verify budget); branching: "markov" | "base" (the DDTree-style baseline, for
         measurements); clock: the budget policy's timer; cost_table: a cost table or its JSON
-        path (drafters/cost_table.py; None: learnt online); values: a fitted node-value model
+        path (budget/cost_table.py; None: learnt online); values: a fitted node-value model
         (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
         confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
         or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1); graphs: True
@@ -197,12 +197,12 @@ class DSparkDrafter:
             self.policy.forget(request_id)
 
     def set_cost_table(self, table) -> None:
-        """The adaptive budget's price list from now on: a cost table (drafters/cost_table.py, e.g.
+        """The adaptive budget's price list from now on: a cost table (budget/cost_table.py, e.g.
         profile_costs' LineTable), the path of its JSON, or None (lines learnt from the rounds)."""
         if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
             table = load_cost_table(table)
         if table is not None and not callable(getattr(table, "theta", None)):
-            raise ConfigError(f"cost_table must be a cost table (drafters/cost_table.py), a path to one or None, "
+            raise ConfigError(f"cost_table must be a cost table (budget/cost_table.py), a path to one or None, "
                               f"got {type(table).__name__}")
         self.cost_table = table
         if self.policy is not None:

@@ -10,7 +10,7 @@ import torch
 
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from .node_values import pool_values
+from ..budget.node_values import pool_values
 
 
 def adaptive_chains(policy, model, requests, tokens: torch.Tensor, confidence: torch.Tensor) -> list:

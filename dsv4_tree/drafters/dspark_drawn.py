@@ -38,7 +38,7 @@ import torch
 from ..verify.sampling import target_probs
 from .dspark_budget import batch_of
 from .dspark_rows import DSparkBlock, confidences, markov_logits
-from .verify_budget import marginal_value
+from ..budget.verify_budget import marginal_value
 
 
 def sibling_counts(topk: int, num_steps: int, num_nodes: int) -> list:
@@ -158,7 +158,7 @@ def drawn_parent_rows(counts: list, rows: int, device) -> torch.Tensor:
 def node_values(drawn: DrawnTree, confidence: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
     """[B, N - 1] float64: the chance the accepted path takes each node. confidence [B, D]: c_k,
     the chance depth k's spine draft survives given its parent was accepted (the confidence
-    head); rates [K - 1]: a rank-j sibling's acceptance once tried (drafters/sibling_rate.py,
+    head); rates [K - 1]: a rank-j sibling's acceptance once tried (budget/sibling_rate.py,
     past rounds). A spine node at depth k: S_k = c_1 ... c_k; its rank-j sibling:
     S_(k-1) (1 - c_k) (1 - rate_0) ... (1 - rate_(j-1)) rate_j."""
     conf = confidence.to(torch.float64)

@@ -50,8 +50,8 @@ from .dspark_budget import batch_of, read_drawn, read_trees
 from .dspark_drawn import budget_select, draw_tree, draw_uniforms, drawn_parent_rows, spine_confidences
 from .dspark_rows import block_ids, block_rows, markov_walk, padded_block_index
 from .dspark_tree import expand_markov
-from .node_values import FEATURES, PoolValues, pool_values, share_with
-from .verify_budget import budget_fixed, chosen_fixed, eligible_fixed, lagged_pick, verify_lens_fixed
+from ..budget.node_values import FEATURES, PoolValues, pool_values, share_with
+from ..budget.verify_budget import budget_fixed, chosen_fixed, eligible_fixed, lagged_pick, verify_lens_fixed
 
 def padded_block(model, module, anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
                  lengths: torch.Tensor, width: int):

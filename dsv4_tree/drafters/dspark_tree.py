@@ -9,7 +9,7 @@ from. Every frontier node gets its own bias row, softmax and top-k: a fixed numb
 depth (B x topk), no data-dependent shape.
 
 Alongside path probabilities the expansion keeps what node values are made of
-(drafters/node_values.py): each candidate's probability under its parent's distribution and each
+(budget/node_values.py): each candidate's probability under its parent's distribution and each
 parent's confidence c(k, t), the chance that depth k's draft survives given its parent (token t)
 was accepted.
 

@@ -1,4 +1,4 @@
-"""Our confidence-scheduled DSpark verify (drafters/verify_budget.py, budget_policy.py, cost_table.py) against
+"""Our confidence-scheduled DSpark verify (budget/verify_budget.py, budget_policy.py, cost_table.py) against
 SGLang 0.5.23's own scheduler on the same confidences and cost tables: `schedule_verify_lens_topk`
 (torch path), `compute_verify_token_budget` (both table kinds) and the host planner's two-step
 lag (`HostConfidenceBudgetPlanner.compute_budget`, overlap off), step by step; and the table files
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_tree.drafters.budget_policy import BudgetPolicy
-from dsv4_tree.drafters.cost_table import AdditiveTable, StepsPerSecondTable
-from dsv4_tree.drafters.verify_budget import choose_budget, survival, verify_lens
+from dsv4_tree.budget.budget_policy import BudgetPolicy
+from dsv4_tree.budget.cost_table import AdditiveTable, StepsPerSecondTable
+from dsv4_tree.budget.verify_budget import choose_budget, survival, verify_lens
 
 
 def _confidences(g: torch.Generator, r: int, gamma: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def test_the_lagged_budget_follows_sglangs_host_planner_step_by_step(monkeypatch
 
 def test_sglangs_own_table_files_load_as_our_tables(tmp_path):
     """What SGLang's profiler writes (its tables' to_json) loads as the same price list here."""
-    from dsv4_tree.drafters.cost_table import load_cost_table
+    from dsv4_tree.budget.cost_table import load_cost_table
 
     g = torch.Generator().manual_seed(3)
     for i, (sg_table, table) in enumerate(_tables(g, 4)):

@@ -7,11 +7,11 @@ survival over the batch. A position's inclusion then depends on the drafts befor
 which keeps speculative sampling of a drawn chain lossless; with b from this round's survival
 it would depend on the draft itself (tests/test_budget_policy.py shows the bias).
 
-Trees (`tree`): the same pick over tree nodes by value (drafters/node_values.py), budget and
+Trees (`tree`): the same pick over tree nodes by value (budget/node_values.py), budget and
 shape from this round's values: a tree is never drawn (top-K), so its values depend on committed
 state and earlier rounds only, never on a draw verify compares against.
 
-The budget maximises theta(b) against the cost table given (drafters/cost_table.py) or, with
+The budget maximises theta(b) against the cost table given (budget/cost_table.py) or, with
 none, the lines `MeasuredCosts` learns from this drafter's own rounds (probing the full and the
 half budget until a batch size's line rests on two totals, then the far end every PROBE_EVERY
 rounds). `forced_nodes` (nodes per request on average, root included) replaces the choice: what

@@ -9,7 +9,7 @@ accepted path reaches n, and a tree's expected tokens are 1 + the sum of its nod
 * **Prior** (`prior_share`, before any fit): rank 0 gets c, rank j > 0 gets (1 - c) p_j / (1 - p_0):
   the mass the parent's best child leaves, shared in proportion to the draft's probabilities.
 * **Fitted** (`ValueModel.weights`): a logistic g = sigmoid(w . f) over f = [1, logit(prior),
-  logit(c), log p, rank == 0], fitted on accept events (drafters/value_events.py), siblings
+  logit(c), log p, rank == 0], fitted on accept events (budget/value_events.py), siblings
   scaled so their shares sum to at most 1 (at most one child of a node is accepted).
 
 g <= 1, so no child outvalues its parent: picks by value are ancestor-closed."""
@@ -120,7 +120,7 @@ def as_value_model(values) -> ValueModel:
             raise ConfigError(f"values: cannot read a ValueModel file {values}: {exc}") from exc
     if isinstance(values, str):
         return ValueModel.from_json(values)
-    raise ConfigError(f"values must be a ValueModel (drafters/node_values.py), its JSON text or a path to it, "
+    raise ConfigError(f"values must be a ValueModel (budget/node_values.py), its JSON text or a path to it, "
                       f"got {type(values).__name__} {values!r:.80}")
 
 

@@ -7,14 +7,14 @@ our engine, and its generalisation from chain positions to tree nodes:
   and every draft before it are accepted (`survival`);
 * the batch budget b (extra verify tokens beyond each request's root) maximises
   theta(b) = tau*(b) / seconds(R + b), tau*(b) = R + the sum of the b best candidate values
-  over the whole batch, seconds from a measured cost table (`choose_budget`; drafters/cost_table.py);
+  over the whole batch, seconds from a measured cost table (`choose_budget`; budget/cost_table.py);
 * the shape: the b best candidates of the batch, in one order that does not depend on how the
   values compare beyond ties: value descending, then depth, then request, then candidate id
   (`verify_lens` for chains, `pick_nodes` for trees). A candidate's value never exceeds its
   parent's and its depth is larger, so every pick is ancestor-closed.
 
 Pure functions of tensors (CPU, float64 where values are summed or compared), no state; the
-policy that feeds them lagged or current values lives in drafters/budget_policy.py."""
+policy that feeds them lagged or current values lives in budget/budget_policy.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""What a verify step costs: the price list the batch budget is chosen against (drafters/verify_budget.py).
+"""What a verify step costs: the price list the batch budget is chosen against (budget/verify_budget.py).
 
 Every table answers `theta(tau, R)`: for budgets b = 0 .. len(tau) - 1 extra verify nodes over a
 batch of R requests (R + b nodes in all), the rate theta(b) = tau[b] / seconds(R, R + b) (or
@@ -7,7 +7,7 @@ tau[b] x steps/s) and the seconds, or None where the table knows rates only.
 * `StepsPerSecondTable`: SGLang's `SpsCostTable` (steps/s by verify batch tokens, floor lookup);
 * `AdditiveTable`: SGLang's `SpsAdditiveCostTable` (bias + alpha(R) + theta(R + b), interpolated,
   clamped to the probes);
-* `LineTable`: ours, what `profile_costs` measures (drafters/cost_profile.py): per batch size a
+* `LineTable`: ours, what `profile_costs` measures (budget/cost_profile.py): per batch size a
   line, seconds = base + per_node x total nodes, interpolated in R and clamped to the measured sizes;
 * `MeasuredCosts`: the same lines learnt online from the run's own rounds (a `CostLine` per batch
   size, through the median of each total's recent samples), when no table is given.
