@@ -1,7 +1,8 @@
 """Drafts eager against their captured replay (drafters/dspark_graphs.py, drafters/mtp_wave.py),
 per batch size.
 
-On the shipped checkpoint, greedy drafts: DSpark's fixed chain (gamma + 1 nodes), fixed Markov
+On the shipped checkpoint, greedy drafts: DSpark's fixed chain (gamma + 1 nodes), its budgeted
+chain (SGLang's confidence-scheduled lengths, priced by PRICES below), fixed Markov
 tree (topk 4, gamma steps, 8 nodes) and budgeted tree (topk 4, at most 16 nodes, priced by a
 fixed cost table, PRICES, so both runs buy alike), and the MTP block's fixed-depth tree (topk 4,
 5 steps, 8 nodes; its steps after the root are what is captured); sampled (temperature 1, the
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     model = dt.load_model(dt.trained_checkpoint(), device=args.device, dtype=dtype)
     gamma = load_dspark(model).block_size
     shapes = {"dspark chain": (TreeShape(1, gamma, gamma + 1), "fixed"),
+              "dspark chain budgeted": (TreeShape(1, gamma, gamma + 1), "adaptive"),
               "dspark tree (topk 4, 8 nodes)": (TreeShape(4, gamma, 8), "fixed"),
               "dspark tree budgeted (<= 16 nodes)": (TreeShape(4, gamma, 16), "adaptive"),
               "dspark drawn tree budgeted (sampled)": (TreeShape(4, gamma, 16), "adaptive"),

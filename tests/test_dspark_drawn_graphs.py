@@ -25,7 +25,7 @@ from dsv4_tree.drafters.dspark_drawn import draw_uniforms
 from dsv4_tree.drafters.dspark_graphs import drawn_draft, replay_form, table_seconds
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
-from test_dspark_graphs import CountingCapture, _inputs, rehearse_on_meta
+from test_dspark_graphs import CountingCapture, _inputs, budget_state, rehearse_on_meta, replay_keys
 
 TABLE = LineTable((1, 16), (0.01, 0.012), (0.0004, 0.0003), note="a fixed price list for the test")
 SHAPE = TreeShape(3, 4, 9)  # spine 4 deep, siblings 2 + 2 at the first two depths
@@ -94,16 +94,10 @@ def _rounds(model, reqs_prompts, adaptive: bool, graphs, rounds: int = 3) -> lis
     gen = torch.Generator().manual_seed(3)
     drafter.set_sampling(1.0, 0.95, gen)
     reqs = eng.prefill_batch(reqs_prompts)
-    seen, got = [], []
-    if graphs:
-        real = drafter.graphs.run
-        drafter.graphs.run = lambda *a, **k: seen.append(k["key"]) or real(*a, **k)
+    seen, got = replay_keys(drafter) if graphs else [], []
     for _ in range(rounds):
         trees = drafter.draft(eng, reqs)
-        p = drafter.policy
-        got.append(([t.host_lists() for t in trees], [t.draft_probs.tolist() for t in trees],
-                    None if p is None else (p.last_budget, p.last_choice, p.kind,  # request ids differ by engine
-                                            [[r.tolist() for r in p._history[q.request_id]] for q in reqs]),
+        got.append(([t.host_lists() for t in trees], [t.draft_probs.tolist() for t in trees], budget_state(drafter, reqs),
                     [(s, t.host_lists()) for s, t in (drafter.sibling_rate._pending or {}).values()]))
         out = eng.verify(reqs, trees)
         eng.commit(reqs, eng.accept_sampling(reqs, trees, out, 1.0, 0.95, gen), out)
@@ -135,10 +129,7 @@ def test_a_captured_drawn_drafter_samples_what_the_eager_one_samples(trained, ad
     for name, graphs in forms:
         capture = CountingCapture(graphs if callable(graphs) else cuda_capture) if graphs else False
         drafter = DSparkDrafter(model, SHAPE, cost_table=TABLE if adaptive else None, graphs=capture)
-        seen = []
-        if graphs:
-            real = drafter.graphs.run
-            drafter.graphs.run = lambda *a, **k: seen.append(k["key"]) or real(*a, **k)
+        seen = replay_keys(drafter) if graphs else []
         outs = _engine(model, adaptive).generate_batch(prompts, 24, drafter=drafter, temperature=1.0,
                                                        generator=torch.Generator(device=device).manual_seed(7),
                                                        progress=False)

@@ -172,6 +172,20 @@ def test_the_device_draft_reads_nothing_and_runs_on_meta(kind):
     assert meta.tokens.device.type == "meta" and tuple(meta.tokens.shape) == tuple(batch.tokens.shape)
 
 
+def replay_keys(drafter) -> list:
+    """The keys of the drafter's graph replays from now on, in a list that grows as they run."""
+    keys, real = [], drafter.graphs.run
+    drafter.graphs.run = lambda *a, **k: keys.append(k["key"]) or real(*a, **k)
+    return keys
+
+
+def budget_state(drafter, reqs) -> tuple:
+    """What a drafter's budget holds after a draft (request ids differ by engine: its history by request)."""
+    p = drafter.policy
+    return None if p is None else (p.last_budget, p.last_choice, p.kind,
+                                   [[r.tolist() for r in p._history[q.request_id]] for q in reqs])
+
+
 class CountingCapture:
     """executor/graphs.py's capture contract, counting captures (eager on CPU, CUDA on a GPU)."""
 

@@ -33,6 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget.budget_policy import BudgetPolicy
+from ..budget.cost_table import load_cost_table
+from ..budget.node_values import as_value_model
+from ..budget.sibling_rate import SiblingRate
+from ..budget.value_events import ValueLearner
 from ..checkpoint.dspark import DSparkModule, DSparkSettings
 from ..checkpoint.dspark_names import load_dspark
 from ..checkpoint.dspark_sts import read_sts
@@ -42,20 +47,15 @@ from ..hooks import candidate_pool_size
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
 from .base import TreeShape, draft_graphs
-from ..budget.budget_policy import BudgetPolicy
-from ..budget.cost_table import load_cost_table
-from .dspark_budget import adaptive_chains, budget_trees, read_drawn
+from .depth import candidate_depths
+from .dspark_budget import adaptive_chains, budget_trees, read_chain_budget
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
-from .dspark_graphs import captured, fixed_tree, padded_block, replay, replay_form
 from .dspark_drawn import (budget_select, draw_tree, draw_uniforms, drawn_parent_rows, sibling_counts,
                            spine_confidences)
-from .depth import candidate_depths
+from .dspark_graphs import captured, fixed_tree, padded_block, replay, replay_form
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
-from ..budget.node_values import as_value_model
-from ..budget.sibling_rate import SiblingRate
-from ..budget.value_events import ValueLearner
 
 
 @dataclass
@@ -138,8 +138,8 @@ class DSparkDrafter:
         (node_values.ValueModel; None: the prior, then fitted on this drafter's rounds);
         confidence_sts: SGLang's STS calibration file (`--speculative-dspark-confidence-sts-path`)
         or its gamma temperatures: c_k = sigmoid(raw_k / T_k) (None: T = 1); graphs: True
-        captures a draft's device half (fixed size; a greedy budgeted tree or a sampled drawn
-        tree's chain budget priced by a cost table) in a CUDA graph per batch bucket and replays
+        captures a draft's device half (fixed size; budgeted trees and chains priced by a cost
+        table, greedy or sampled) in a CUDA graph per batch bucket and replays
         it (drafters/dspark_graphs.py; a CUDA model only), or a capture function of
         executor/graphs.py's contract (eager_capture: the same replay path on any device)."""
         self.model = model
@@ -331,7 +331,7 @@ class DSparkDrafter:
             lens = self.policy.chain_fixed(self.model, [r.request_id for r in requests], conf)
             batch, rows = budget_select(drawn, conf, lens, self.policy.unsettled()[0], self.sibling_rate.rates(dev),
                                         anchors)
-            trees = read_drawn(self.policy, self.sibling_rate if self.shape.topk > 1 else None, requests, batch, rows,
+            trees = read_chain_budget(self.policy, self.sibling_rate if self.shape.topk > 1 else None, requests, batch, rows,
                                self.policy.unsettled())
         else:
             trees = TreeBatch(drawn.tokens, drawn_parent_rows(drawn.counts, b, dev)).trees(drawn.draw_probs)

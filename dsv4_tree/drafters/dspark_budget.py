@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..budget.node_values import pool_values
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
-from ..budget.node_values import pool_values
 
 
 def adaptive_chains(policy, model, requests, tokens: torch.Tensor, confidence: torch.Tensor) -> list:
@@ -18,10 +18,7 @@ def adaptive_chains(policy, model, requests, tokens: torch.Tensor, confidence: t
     chain's first verify-length nodes, the lengths SGLang's rule gives (budget_policy.chain_fixed)
     decided on the device; the chains and the budget reach the host in the draft's one read."""
     lens = policy.chain_fixed(model, [r.request_id for r in requests], confidence)
-    trees, extra = TreeBatch.chains(tokens, lens).trees_and(policy.unsettled())
-    policy.settle(extra)
-    policy.drafted(requests, sum(t.num_nodes for t in trees))
-    return trees
+    return read_chain_budget(policy, None, requests, TreeBatch.chains(tokens, lens), None, policy.unsettled())
 
 
 def trees_of(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, chosen: torch.Tensor) -> tuple:
@@ -91,10 +88,11 @@ def read_trees(policy, learner, requests, batch: TreeBatch, unsettled: torch.Ten
     return trees
 
 
-def read_drawn(policy, sibling_rate, requests, batch: TreeBatch, rows: torch.Tensor, unsettled: torch.Tensor) -> list:
-    """An adaptive drawn tree's one host read (the chain budget rides in it: unsettled, [4]) and
-    the host side after it; rows [B, N - 1, V]: each node's draw row, kept by its tree (a view,
-    not read). sibling_rate: None for a drawn chain (no siblings)."""
+def read_chain_budget(policy, sibling_rate, requests, batch: TreeBatch, rows, unsettled: torch.Tensor) -> list:
+    """A draft under the chain budget (a greedy budgeted chain, an adaptive drawn tree): its one
+    host read (the budget rides in it: unsettled, [4]) and the host side after it; rows
+    [B, N - 1, V]: a drawn draft's draw rows, kept by its trees (a view, not read; None: greedy).
+    sibling_rate: a drawn tree's (None: no siblings)."""
     trees, extra = batch.trees_and(unsettled, rows)
     policy.settle(extra)
     policy.drafted(requests, sum(t.num_nodes for t in trees))

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget.verify_budget import marginal_value
 from ..verify.sampling import target_probs
 from .dspark_budget import batch_of
 from .dspark_rows import DSparkBlock, confidences, markov_logits
-from ..budget.verify_budget import marginal_value
 
 
 def sibling_counts(topk: int, num_steps: int, num_nodes: int) -> list:

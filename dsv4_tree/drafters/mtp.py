@@ -31,8 +31,8 @@ import torch
 from ..checkpoint.mtp import MtpBlock, load_mtp
 from ..config import DRAFT_DEPTHS, check_topk_vocab
 from ..errors import ConfigError, StateError
-from ..ranks import agree_choice
 from ..executor.graphs import pack_windows, pad_rows
+from ..ranks import agree_choice
 from ..serving.buckets import pow2
 from ..tree.draft_tree import DraftTree
 from ..tree.tree_batch import TreeBatch
