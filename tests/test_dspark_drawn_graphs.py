@@ -22,7 +22,9 @@ from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_cache import pack_contexts
 from dsv4_tree.drafters.dspark_drawn import draw_uniforms
-from dsv4_tree.drafters.dspark_graphs import drawn_draft, replay_form, table_seconds
+from dsv4_tree.drafters.dspark_graphs import table_seconds
+from dsv4_tree.drafters.dspark_replay import replay_form
+from dsv4_tree.drafters.dspark_spine_graphs import drawn_draft
 from dsv4_tree.executor.graphs import cuda_capture, eager_capture
 from dsv4_tree.train.corpus import heldout_prompt
 from test_dspark_graphs import CountingCapture, _inputs, budget_state, rehearse_on_meta, replay_keys

@@ -29,8 +29,8 @@ from dsv4_tree.drafters.base import TreeShape
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark_cache import DSparkContext, bring_up, pack_contexts
-from dsv4_tree.drafters.dspark_graphs import (budget_draft, fixed_draft, padded_block, replay_fixed, replay_form,
-                                              table_seconds)
+from dsv4_tree.drafters.dspark_graphs import budget_draft, fixed_draft, padded_block, replay_fixed, table_seconds
+from dsv4_tree.drafters.dspark_replay import replay_form
 from dsv4_tree.drafters.dspark_rows import block_ids, block_rows, padded_block_index
 from dsv4_tree.budget.node_values import ValueModel
 from dsv4_tree.errors import ConfigError

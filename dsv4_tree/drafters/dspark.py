@@ -52,7 +52,8 @@ from .dspark_budget import adaptive_chains, budget_trees, read_chain_budget
 from .dspark_cache import DSparkContext, bring_up, pack_contexts
 from .dspark_drawn import (budget_select, draw_tree, draw_uniforms, drawn_parent_rows, sibling_counts,
                            spine_confidences)
-from .dspark_graphs import captured, fixed_tree, padded_block, replay, replay_form
+from .dspark_graphs import fixed_tree, padded_block
+from .dspark_replay import captured, replay, replay_form
 from .dspark_rows import confidences, markov_walk
 from .dspark_tree import BRANCHINGS, MarkovExpansion, expand_markov
 from .mtp import depth_for
