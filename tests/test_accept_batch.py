@@ -58,6 +58,11 @@ def test_a_tree_batch_is_read_once_into_made_trees():
     with HostReadCounter() as reads:
         _, extra = TreeBatch(tokens, parents).trees_and(torch.tensor([3.0, 0.125, float("nan")], dtype=torch.float64))
     assert reads.total == 1 and extra[:2] == [3.0, 0.125] and extra[2] != extra[2]
+    payload = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with HostReadCounter() as reads:  # a payload (the value learner's pool) in the same read, bit for bit
+        got, extra, host = TreeBatch(tokens, parents, torch.tensor([3, 4])).trees_with(torch.tensor([2.5]), payload)
+    assert reads.total == 1 and [t.host_lists() for t in got] == lists[:2] and extra == [2.5]
+    assert host.shape == (2, 7) and host.tobytes() == payload.numpy().tobytes()
 
 
 def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ from dsv4_tree.budget.cost_table import LineTable
 from dsv4_tree.drafters.dspark import DSparkDrafter
 from dsv4_tree.drafters.dspark_tree import MarkovExpansion
 from dsv4_tree.budget.node_values import ValueModel, fit_logistic, pool_values, prior_share
-from dsv4_tree.budget.value_events import events
+from dsv4_tree.budget.value_events import ValueLearner, _Draft, events
 
 
 def test_prior_shares_against_a_hand_computation():
@@ -180,3 +180,21 @@ def test_batch_events_are_each_requests_events_in_order():
     want = [events(tokens[i], parents[i], depths, feats[i], emitted[i]) for i in range(3)]
     assert np.array_equal(x, np.concatenate([w[0] for w in want])) and np.array_equal(y, np.concatenate([w[1] for w in want]))
     assert 0 < y.sum() < len(y)
+
+
+def test_the_learners_payload_unpacks_to_the_pool():
+    """What the draft's read brings the value learner (ValueLearner.payload, float64 columns)
+    unpacks on the host to the pool's tokens, parents, features and depths, exactly."""
+    from dsv4_tree.budget.node_values import PoolValues
+
+    g = torch.Generator().manual_seed(1)
+    b, p, f = 3, 6, 5
+    tokens = torch.randint(0, 260, (b, p), generator=g)
+    parents = torch.randint(-1, p, (b, p), generator=g)
+    feats = torch.randn(b, p, f, dtype=torch.float64, generator=g)
+    depths = torch.tensor([1, 1, 2, 2, 3, 3])
+    payload = ValueLearner().payload(tokens, PoolValues(torch.rand(b, p, dtype=torch.float64), depths, parents, feats))
+    d = _Draft.unpack([10, 11, 12], [5, 6, 7], payload.numpy())
+    assert (d.tokens == tokens.numpy()).all() and (d.parents == parents.numpy()).all()
+    assert (d.depths == depths.numpy()).all() and d.features.tobytes() == feats.numpy().tobytes()
+    assert ValueLearner(learn=False).payload(tokens, None) is None

@@ -330,10 +330,10 @@ class DSparkDrafter:
         conf = spine_confidences(self.module, blk, drawn, self.temperatures) if size == "adaptive" or self.record else None
         if size == "adaptive":  # the spine's length by the chain's rule, siblings worth its price: on the device
             lens = self.policy.chain_fixed(self.model, [r.request_id for r in requests], conf)
-            batch, rows = budget_select(drawn, conf, lens, self.policy.unsettled()[0], self.sibling_rate.rates(dev),
-                                        anchors)
-            trees = read_chain_budget(self.policy, self.sibling_rate if self.shape.topk > 1 else None, requests, batch, rows,
-                               self.policy.unsettled())
+            unsettled = self.policy.unsettled()
+            batch, rows = budget_select(drawn, conf, lens, unsettled[0], self.sibling_rate.rates(dev), anchors)
+            trees = read_chain_budget(self.policy, self.sibling_rate if self.shape.topk > 1 else None, requests, batch,
+                                      rows, unsettled)
         else:
             trees = TreeBatch(drawn.tokens, drawn_parent_rows(drawn.counts, b, dev)).trees(drawn.draw_probs)
         if self.record:

@@ -70,7 +70,7 @@ def fixed_draft(model, module, shape, branching: str, temperatures, width: int, 
         batch = TreeBatch.chains(markov_walk(module, blk, anchors)[0])
     else:
         batch = fixed_tree(module, blk, anchors, shape, branching, temperatures)[0]
-    return TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous())  # own memory: a graph's static outputs
+    return batch.contiguous()  # own memory: a graph's static outputs
 
 
 @dataclass
@@ -128,8 +128,7 @@ def budget_draft(model, module, shape, branching: str, temperatures, width: int,
     f64 = torch.float64
     unsettled = torch.stack([best.to(f64), best.to(f64), secs.to(f64), theta.to(f64)])
     own = PoolValues(*(x.contiguous() for x in (pool.values, pool.depths, pool.parents, pool.features)))
-    return BudgetDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
-                       sel.contiguous(), unsettled, tokens.contiguous(), own)
+    return BudgetDraft(batch.contiguous(), sel.contiguous(), unsettled, tokens.contiguous(), own)
 
 
 def padded_inputs(bp: int, width: int, anchors, starts, tables, lengths) -> tuple:
@@ -142,7 +141,7 @@ def replay_fixed(drafter, requests, anchors, starts, tables, lengths) -> list:
     b = len(requests)
     bp = pow2(b)
     out = drafter.graphs.run(bp, padded_inputs(bp, drafter.model.window, anchors, starts, tables, lengths), key=("fixed",))
-    return TreeBatch(out.tokens[:b], out.parents[:b]).trees()
+    return out.first(b).trees()
 
 
 def replay_budget(drafter, requests, anchors, starts, tables, lengths) -> list:
@@ -157,6 +156,6 @@ def replay_budget(drafter, requests, anchors, starts, tables, lengths) -> list:
              torch.tensor(weights if weights is not None else [0.0] * len(FEATURES), dtype=torch.float64, device=dev))
     out = d.graphs.run(bp, padded_inputs(bp, d.model.window, anchors, starts, tables, lengths) + extra,
                        key=("budget", weights is not None))
-    batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
+    batch = out.batch.first(b)
     rows = PoolValues(out.pool.values[:b], out.pool.depths, out.pool.parents[:b], out.pool.features[:b])
     return read_trees(policy, d.values, requests, batch, out.unsettled, out.tokens[:b], rows)  # read before the next replay

@@ -30,7 +30,7 @@ from .dspark_rows import confidences, markov_walk
 
 
 @dataclass
-class DrawnDraft:
+class SpineDraft:
     """A drawn draft's (or a greedy budgeted chain's) device results, [B, ...] rows first."""
 
     batch: TreeBatch  # [B, N]; adaptive: with node counts
@@ -41,7 +41,7 @@ class DrawnDraft:
 
 def drawn_draft(model, module, shape, temperatures, width: int, temperature: float, top_p: float, adaptive: bool,
                 anchors: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-                uniforms: torch.Tensor, *budget) -> DrawnDraft:
+                uniforms: torch.Tensor, *budget) -> SpineDraft:
     """A sampled draft (dspark_drawn.py): uniforms [B, D] (draw_uniforms, padding rows 0); fixed
     size, or adaptive with budget = (live 0-dim int64, seconds [B * D + 1] float64 (table_seconds
     for live requests), lagged [B, D] fp32 (BudgetPolicy.lagged, padding rows 0: never eligible),
@@ -53,14 +53,13 @@ def drawn_draft(model, module, shape, temperatures, width: int, temperature: flo
                       uniforms)
     b = anchors.shape[0]
     if not adaptive:
-        return DrawnDraft(TreeBatch(drawn.tokens.contiguous(), drawn_parent_rows(drawn.counts, b, anchors.device)
-                                    .contiguous()), drawn.draw_probs.contiguous(), None, None)
+        return SpineDraft(TreeBatch(drawn.tokens, drawn_parent_rows(drawn.counts, b, anchors.device)).contiguous(),
+                          drawn.draw_probs.contiguous(), None, None)
     live, seconds, lagged, rates = budget
     conf, best, lens, unsettled = _chain_budget(spine_confidences(module, blk, drawn, temperatures), live, seconds,
                                                 lagged)
     batch, rows = budget_select(drawn, conf, lens, best, rates, anchors)
-    return DrawnDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
-                      rows.contiguous(), unsettled, conf.contiguous())
+    return SpineDraft(batch.contiguous(), rows.contiguous(), unsettled, conf.contiguous())
 
 
 def _chain_budget(conf: torch.Tensor, live: torch.Tensor, seconds: torch.Tensor, lagged: torch.Tensor) -> tuple:
@@ -77,7 +76,7 @@ def _chain_budget(conf: torch.Tensor, live: torch.Tensor, seconds: torch.Tensor,
 
 def chain_budget_draft(model, module, temperatures, width: int, anchors: torch.Tensor, starts: torch.Tensor,
                        tables: torch.Tensor, lengths: torch.Tensor, live: torch.Tensor, seconds: torch.Tensor,
-                       lagged: torch.Tensor) -> DrawnDraft:
+                       lagged: torch.Tensor) -> SpineDraft:
     """The greedy budgeted chain (SGLang's confidence-scheduled lengths, priced by a cost table):
     the Markov walk, its confidences, and each chain cut to the length the chain budget gives;
     live, seconds [B * gamma + 1] and lagged [B, gamma] as in drawn_draft. No draw rows."""
@@ -86,8 +85,7 @@ def chain_budget_draft(model, module, temperatures, width: int, anchors: torch.T
     conf, _, lens, unsettled = _chain_budget(confidences(module, blk.hidden, tokens[:, :-1], temperatures), live,
                                              seconds, lagged)
     batch = TreeBatch.chains(tokens, lens)
-    return DrawnDraft(TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous(), batch.counts.contiguous()),
-                      None, unsettled, conf.contiguous())
+    return SpineDraft(batch.contiguous(), None, unsettled, conf.contiguous())
 
 
 def replay_drawn(drafter, requests, anchors, starts, tables, lengths, adaptive: bool) -> list:
@@ -105,7 +103,7 @@ def replay_drawn(drafter, requests, anchors, starts, tables, lengths, adaptive: 
     out = d.graphs.run(bp, inputs, key=("drawn", adaptive, temperature, top_p))
     rows = out.rows[:b].clone()  # the trees keep their rows past the next replay
     if not adaptive:
-        return TreeBatch(out.batch.tokens[:b], out.batch.parents[:b]).trees(rows)
+        return out.batch.first(b).trees(rows)
     return _read_chain_budget(d, requests, out, rows, d.sibling_rate if d.shape.topk > 1 else None)
 
 
@@ -118,11 +116,11 @@ def _chain_budget_inputs(drafter, requests, depth: int, bp: int) -> tuple:
             pad_rows(policy.lagged([r.request_id for r in requests], dev, depth), bp))
 
 
-def _read_chain_budget(drafter, requests, out: DrawnDraft, rows, sibling_rate) -> list:
+def _read_chain_budget(drafter, requests, out: SpineDraft, rows, sibling_rate) -> list:
     """After a chain-budget replay: this round's confidences kept for later budgets, then the read."""
     b = len(requests)
     drafter.policy.remember([r.request_id for r in requests], out.confidence[:b].clone())
-    batch = TreeBatch(out.batch.tokens[:b], out.batch.parents[:b], out.batch.counts[:b])
+    batch = out.batch.first(b)
     return read_chain_budget(drafter.policy, sibling_rate, requests, batch, rows, out.unsettled)
 
 

@@ -35,7 +35,6 @@ from ..executor.graphs import pack_windows, pad_rows
 from ..ranks import agree_choice
 from ..serving.buckets import pow2
 from ..tree.draft_tree import DraftTree
-from ..tree.tree_batch import TreeBatch
 from .base import TreeShape, draft_graphs, graphed_batch
 from .depth import DepthPolicy, DraftRound
 from .mtp_cache import DraftCache, fold_back, pending_rows, root_step, store_rows, window_index
@@ -268,7 +267,7 @@ class MtpDrafter:
                   pad_rows(seq, bp), pad_rows(windows, bp * w), pad_rows(lengths, bp))
         batch, score_list, token_list, parents_list = self.graphs.run(bp, inputs, key=("fixed",))
         self.last_round = DraftRound(len(score_list), self.shape.num_steps, "max")
-        trees = TreeBatch(batch.tokens[:b], batch.parents[:b]).trees()  # the draft's one host read
+        trees = batch.first(b).trees()  # the draft's one host read
         real = lambda xs: [x[:b] for x in xs]  # noqa: E731
         return DraftExpansion(real(score_list), real(token_list), real(parents_list), trees)
 

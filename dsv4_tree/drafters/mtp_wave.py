@@ -100,5 +100,5 @@ def fixed_wave(model, mtp, shape, logits0: torch.Tensor, hidden0: torch.Tensor, 
         wave.step(model, mtp, s, padded_window_index(lengths, s, shape.topk, model.window))
     batch, _ = wave.pick(roots, shape.num_draft_tokens)
     own = lambda xs: [x.contiguous() for x in xs]  # noqa: E731
-    return (TreeBatch(batch.tokens.contiguous(), batch.parents.contiguous()), own(wave.score_list),
+    return (batch.contiguous(), own(wave.score_list),
             own(wave.token_list), own(wave.parents_list))

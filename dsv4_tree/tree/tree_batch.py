@@ -93,6 +93,15 @@ class TreeBatch:
         rows = None if payload is None else host[at:].view(np.float64).reshape(payload.shape)
         return out, tail, rows
 
+    def first(self, b: int) -> "TreeBatch":
+        """Rows 0 .. b - 1 (views): the real requests of a bucket's static outputs."""
+        return TreeBatch(self.tokens[:b], self.parents[:b], None if self.counts is None else self.counts[:b])
+
+    def contiguous(self) -> "TreeBatch":
+        """The same batch in memory of its own (a captured graph's static outputs)."""
+        return TreeBatch(self.tokens.contiguous(), self.parents.contiguous(),
+                         None if self.counts is None else self.counts.contiguous())
+
     @classmethod
     def chains(cls, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> "TreeBatch":
         """tokens [B, N] as B chains (node i's parent i - 1), each cut to its count if given
